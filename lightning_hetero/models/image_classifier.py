@@ -1,0 +1,92 @@
+"""LightningModule for Hugging Face image classifiers (ViT)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
+from transformers import AutoModelForImageClassification, PretrainedConfig
+from typing_extensions import override
+
+from lightning_hetero.models.base import HFModuleBase
+
+
+class ImageClassifierModule(HFModuleBase):
+    """Image classification with an HF ``AutoModelForImageClassification`` (``ViTForImageClassification``).
+
+    Batches are dicts ``{"pixel_values": FloatTensor[B, C, H, W], "labels": LongTensor[B]}``. Logs ``train/loss``;
+    ``val/loss`` and ``val/accuracy`` (fraction of correct images), and the same under ``test/``. A datamodule
+    sets the geometry through ``hf_config_overrides()`` (``image_size``, ``num_channels``, ``num_labels``);
+    ``patch_size`` must divide ``image_size`` (8x8 digits: 4 or 8; 28x28 MNIST: 4, 7, 14 or 28).
+
+    Args:
+        preset: Preset name (``"vit-tiny"``, ``"vit-small"``); ignored when ``pretrained`` is set.
+        config: HF config overrides of the preset, or with ``preset=None`` a full config with ``model_type``.
+        pretrained: Local directory or ``pkg://<package>`` path of a saved model.
+        gguf_file: GGUF file inside ``pretrained`` (rarely useful for vision models).
+        dtype: Parameter dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"float64"``.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: Weight decay on linear/conv matrices only (not on the [CLS] token or position embeddings).
+        betas: AdamW betas.
+        warmup_steps: Linear warmup steps.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate`` (cosine decay).
+    """
+
+    auto_model_class = AutoModelForImageClassification
+    progress_bar_metric = "accuracy"
+
+    def __init__(
+        self,
+        preset: str | None = "vit-tiny",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        gguf_file: str | None = None,
+        dtype: str = "float32",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__(
+            preset=preset,
+            config=config,
+            pretrained=pretrained,
+            gguf_file=gguf_file,
+            dtype=dtype,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
+        )
+
+    @override
+    def validate_config(self, config: PretrainedConfig) -> None:
+        image_sides = _pair(config.image_size)
+        patch_sides = _pair(config.patch_size)
+        if any(image % patch for image, patch in zip(image_sides, patch_sides, strict=True)):
+            divisors = sorted({d for d in range(1, min(image_sides) + 1) if all(side % d == 0 for side in image_sides)})
+            raise ValueError(
+                f"patch_size={config.patch_size} does not divide image_size={config.image_size}: the image cannot be "
+                f"cut into whole patches. Set config={{'patch_size': p}} with p in {divisors}."
+            )
+        if config.num_labels < 2:
+            raise ValueError(f"num_labels must be >= 2 for classification, got {config.num_labels}.")
+
+    @override
+    def build_metrics(self, config: PretrainedConfig) -> dict[str, Metric]:
+        return {"accuracy": MulticlassAccuracy(num_classes=config.num_labels, average="micro")}
+
+    @override
+    def update_metrics(self, metrics: nn.ModuleDict, outputs: Any, batch: Mapping[str, torch.Tensor]) -> None:
+        metrics["accuracy"].update(outputs.logits.argmax(dim=-1), batch["labels"])
+
+
+def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """ViT accepts an int or an (height, width) pair for image and patch sizes."""
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))

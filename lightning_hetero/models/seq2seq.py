@@ -1,0 +1,95 @@
+"""LightningModule for Hugging Face encoder-decoder models (T5)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+from transformers import AutoModelForSeq2SeqLM, PretrainedConfig
+from typing_extensions import override
+
+from lightning_hetero.models.base import HFModuleBase
+from lightning_hetero.models.causal_lm import IGNORE_INDEX
+
+
+class Seq2SeqModule(HFModuleBase):
+    """Sequence-to-sequence training with an HF ``AutoModelForSeq2SeqLM`` (``T5ForConditionalGeneration``).
+
+    Batches are dicts ``{"input_ids": LongTensor[B, S], "attention_mask": LongTensor[B, S], "labels":
+    LongTensor[B, T]}`` with target padding set to -100; the model builds its decoder inputs by shifting ``labels``
+    right behind ``decoder_start_token_id``. Logs ``train/loss``; ``val/loss``, ``val/perplexity`` and
+    ``val/token_accuracy`` (micro-averaged over non-padding target tokens), and the same under ``test/``.
+
+    Args:
+        preset: Preset name (``"t5-tiny"``, ``"t5-small"``); ignored when ``pretrained`` is set.
+        config: HF config overrides of the preset, or with ``preset=None`` a full config with ``model_type``.
+        pretrained: Local directory or ``pkg://<package>`` path of a saved model.
+        gguf_file: GGUF file inside ``pretrained``.
+        dtype: Parameter dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"float64"``.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: Weight decay on linear-layer matrices only.
+        betas: AdamW betas.
+        warmup_steps: Linear warmup steps.
+        min_lr_ratio: Final learning rate as a fraction of ``learning_rate`` (cosine decay).
+    """
+
+    auto_model_class = AutoModelForSeq2SeqLM
+    progress_bar_metric = "token_accuracy"
+
+    def __init__(
+        self,
+        preset: str | None = "t5-tiny",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        gguf_file: str | None = None,
+        dtype: str = "float32",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__(
+            preset=preset,
+            config=config,
+            pretrained=pretrained,
+            gguf_file=gguf_file,
+            dtype=dtype,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
+        )
+
+    @override
+    def validate_config(self, config: PretrainedConfig) -> None:
+        # transformers 5 no longer defaults it, and the model cannot shift labels into decoder inputs without it.
+        if getattr(config, "decoder_start_token_id", None) is None:
+            raise ValueError(
+                "The seq2seq config has no decoder_start_token_id, so labels cannot be shifted into decoder inputs. "
+                "Set config={'decoder_start_token_id': <pad id, usually 0>} or provide it from the datamodule's "
+                "hf_config_overrides()."
+            )
+
+    @override
+    def build_metrics(self, config: PretrainedConfig) -> dict[str, Metric]:
+        return {
+            "perplexity": Perplexity(ignore_index=IGNORE_INDEX),
+            "token_accuracy": MulticlassAccuracy(
+                num_classes=config.vocab_size, average="micro", ignore_index=IGNORE_INDEX
+            ),
+        }
+
+    @override
+    def update_metrics(self, metrics: nn.ModuleDict, outputs: Any, batch: Mapping[str, torch.Tensor]) -> None:
+        # Decoder position t predicts labels[t] directly (no shift: the model shifted the decoder inputs).
+        logits = outputs.logits.float()
+        labels = batch["labels"]
+        metrics["perplexity"].update(logits, labels)
+        metrics["token_accuracy"].update(logits.argmax(dim=-1).flatten(), labels.flatten())
