@@ -26,6 +26,7 @@ def test_configs_exist():
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_every_config_parses_and_instantiates(config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outputs/ of the instantiated loggers land here
+    monkeypatch.setattr("sys.argv", ["lightning-hetero"])
     cli = build_cli(["--config", str(config)], run=False)
     assert isinstance(cli.trainer, Trainer)
     assert isinstance(cli.model, LightningModule)

@@ -1,0 +1,9 @@
+"""Lightning callbacks shipped with lightning-hetero (usable from LightningCLI YAML by class path)."""
+
+from lightning_hetero.callbacks.comm_monitor import CommunicationMonitor
+from lightning_hetero.callbacks.eval_report import ValidationReport
+
+__all__ = [
+    "CommunicationMonitor",
+    "ValidationReport",
+]

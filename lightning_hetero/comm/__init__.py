@@ -1,0 +1,65 @@
+"""What crosses the wire, framework-free: counted collectives, the byte ledger and bandwidth units.
+
+Every byte that crosses a process boundary goes through :mod:`lightning_hetero.comm.collectives` and is counted in a
+:class:`ByteLedger` (see ``docs/communication.md`` for the counting rule); :mod:`lightning_hetero.comm.dtypes` moves
+the dtypes gloo lacks. Nothing here imports Lightning.
+"""
+
+from lightning_hetero.comm.collectives import (
+    REDUCE_OPS,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    irecv,
+    isend,
+    recv,
+    reduce_scatter_tensor,
+    send,
+)
+from lightning_hetero.comm.ledger import (
+    COUNTED_OPS,
+    INTER,
+    INTRA,
+    PIPELINE,
+    STANDARD_LABELS,
+    ByteLedger,
+    CommRecord,
+    LedgerTotals,
+    get_ledger,
+    validate_label,
+    wire_bytes,
+)
+from lightning_hetero.comm.units import BANDWIDTH_UNITS, format_bytes, parse_bandwidth, transfer_seconds
+
+__all__ = [
+    "BANDWIDTH_UNITS",
+    "COUNTED_OPS",
+    "INTER",
+    "INTRA",
+    "PIPELINE",
+    "REDUCE_OPS",
+    "STANDARD_LABELS",
+    "ByteLedger",
+    "CommRecord",
+    "LedgerTotals",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "format_bytes",
+    "get_ledger",
+    "irecv",
+    "isend",
+    "parse_bandwidth",
+    "recv",
+    "reduce_scatter_tensor",
+    "send",
+    "transfer_seconds",
+    "validate_label",
+    "wire_bytes",
+]

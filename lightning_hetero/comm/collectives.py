@@ -1,0 +1,511 @@
+"""Counted collectives: the only module in lightning-hetero that calls ``torch.distributed`` communication.
+
+Every wrapper takes a mandatory keyword ``label`` (which link the bytes use, e.g. ``INTER``), an optional ``group``
+(default: WORLD), ``async_op`` and ``ledger`` (default: :func:`~lightning_hetero.comm.ledger.get_ledger`). It runs
+the collective and records one :class:`~lightning_hetero.comm.ledger.CommRecord` with this rank's bytes, at issue
+time for ``async_op=True``. ``barrier`` is not recorded.
+
+Counting rule (idealized ring / direct algorithms). ``S`` is the payload in bytes as the wire sees it (see dtypes
+below), ``S_local`` this rank's contribution, ``n`` the group size; ``//`` is floor division, applied once at the end:
+
+=========================  ========================================  ========================================
+op                         sent by this rank                         received by this rank
+=========================  ========================================  ========================================
+all_reduce (S = tensor)    ``2*(n-1)*S // n``                        ``2*(n-1)*S // n``
+all_gather[_into_tensor]   ``(n-1)*S_local``                         ``(n-1)*S_local``
+reduce_scatter_tensor      ``(n-1)*S // n`` (S = the full input)     ``(n-1)*S // n``
+broadcast                  root: ``(n-1)*S``; others: 0              root: 0; others: ``S``
+send / isend               ``S``                                     0
+recv / irecv               0                                         ``S``
+all_to_all_single          ``S_in - own``                            ``S_out - own``
+=========================  ========================================  ========================================
+
+``own`` is the block a rank sends to itself (``S_in // n`` for an even split, ``input_split_sizes[rank]`` rows
+otherwise); it never leaves the process. A group of size 1 puts nothing on the wire: every formula gives 0. The
+all_reduce rule is ring reduce-scatter plus ring all-gather. Backends may use other algorithms: NCCL picks trees
+for small messages, gloo's ``broadcast`` is a binomial tree (relaying ranks also send), and gloo implements
+``reduce_scatter_tensor`` as a full all_reduce followed by a local copy of this rank's chunk (so gloo really moves
+about ``2*(n-1)*S/n``). The ledger reports the rule above (:func:`~lightning_hetero.comm.ledger.wire_bytes`), which
+is what an efficient implementation needs; the bandwidth testbed measures the real wire.
+
+Dtypes gloo lacks (int16, uint16, uint32, uint64, the float8 family and other exotic dtypes; see
+:mod:`lightning_hetero.comm.dtypes`):
+
+- non-reducing collectives (all_gather*, broadcast, all_to_all_single, send/recv) bit-cast through
+  ``.view(torch.uint8)``; values round-trip exactly and the byte count is unchanged;
+- reductions (all_reduce, reduce_scatter_tensor) upcast: int16/uint16 -> int32, uint32 -> int64, float8 -> float32;
+  uint64 is reinterpreted as int64 (sum/product/bitwise ops are identical in two's complement; min/max flip the
+  sign bit to keep the unsigned order). The result is cast back with a wrapping (modulo 2**bits) integer cast, which
+  equals what a native wrapping reduction would give; float8 is rounded back by torch's cast. Reductions are
+  **counted at the dtype actually sent**: an int16 all_reduce of ``k`` elements has ``S = 4k``. If that matters,
+  all_gather the int16 payload instead (bit-cast, counted at 2 bytes per element) and reduce locally.
+
+``op="avg"`` is always computed as a sum followed by an in-place division by ``n`` (gloo has no ``ReduceOp.AVG``);
+with ``async_op=True`` the division happens in the returned handle's ``wait()``, so call it before reading.
+
+Calling a wrapper with a group this rank does not belong to raises ``ValueError`` (torch would silently do nothing).
+Without an initialized process group the wrappers act as a world of one (identity / copy, 0 bytes, the call still
+recorded) unless the ``WORLD_SIZE`` environment variable says there should be more ranks, which raises instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero.comm.dtypes import GLOO_NATIVE_DTYPES, as_wire_input, as_wire_output, reduction_wire
+from lightning_hetero.comm.ledger import COUNTED_OPS, ByteLedger, get_ledger, validate_label, wire_bytes
+
+__all__ = [
+    "COUNTED_OPS",
+    "REDUCE_OPS",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter_tensor",
+    "send",
+    "wire_bytes",
+]
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # emulated: sum, then divide by the group size
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+class _FinalizingWork:
+    """Work-like handle whose ``wait()`` also runs a completion step (AVG division, copy back from the wire dtype)."""
+
+    def __init__(self, work: Any | None, finalize: Callable[[], None]) -> None:
+        self._work = work
+        self._finalize = finalize
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective finished, then finalize the result in place (once)."""
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+        if not self._done:
+            self._finalize()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` has run the completion step."""
+        return self._done
+
+
+def _group_info(group: Any | None, op: str) -> tuple[int, bool]:
+    """``(group_size, initialized)``; raises when running alone would silently give wrong results."""
+    if dist.is_available() and dist.is_initialized():
+        group_size = dist.get_world_size(group)
+        if group_size < 1:  # torch would silently skip the call; in our code that is always a bug
+            raise ValueError(
+                f"lightning_hetero.comm.{op}: global rank {dist.get_rank()} is not a member of the given process group."
+            )
+        return group_size, True
+    expected = os.environ.get("WORLD_SIZE", "1")
+    if expected.strip() not in ("", "1") or group is not None:
+        raise RuntimeError(
+            f"lightning_hetero.comm.{op}: torch.distributed is not initialized but WORLD_SIZE={expected!r}"
+            f"{' and a group was given' if group is not None else ''}. Call torch.distributed.init_process_group"
+            " first (Lightning strategies do this in setup_environment), or unset WORLD_SIZE for a single process."
+        )
+    return 1, False
+
+
+def _record(ledger: ByteLedger | None, op: str, label: str, payload: int, group_size: int, **formula: Any) -> None:
+    sent, received = wire_bytes(op, payload, group_size, **formula)
+    (ledger if ledger is not None else get_ledger()).record(op, label, payload, sent, received, group_size)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _reduce_op_name(op: str | dist.ReduceOp) -> str:
+    if isinstance(op, str):
+        name = op.lower()
+        if name in _TORCH_OPS:
+            return name
+    else:
+        for name, torch_op in _TORCH_OPS.items():
+            if name != "avg" and op == torch_op:
+                return name
+        if op == dist.ReduceOp.AVG:
+            return "avg"
+    raise ValueError(f"Unsupported reduce op {op!r}; use one of {list(REDUCE_OPS)}.")
+
+
+def _finish(work: Any | None, finalize: Callable[[], None] | None, async_op: bool) -> Any | None:
+    """Return the right handle: raw Work when nothing is left to do, else one that finalizes on ``wait()``."""
+    if not async_op:
+        if finalize is not None:
+            finalize()
+        return None
+    if finalize is None and work is not None:
+        return work
+    return _FinalizingWork(work, finalize or (lambda: None))
+
+
+def _copy_local(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    output.copy_(tensor.reshape(output.shape))
+
+
+# ---------------------------------------------------------------------------------------------------- reductions
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Reduce ``tensor`` in place across the group.
+
+    Args:
+        tensor: Reduced in place.
+        op: ``"sum"``, ``"avg"``, ``"product"``, ``"min"``, ``"max"``, ``"band"``, ``"bor"``, ``"bxor"`` or the
+            matching ``torch.distributed.ReduceOp``. ``"avg"`` is sum then divide (floating dtypes only).
+        label: Link label recorded in the ledger, e.g. ``INTER``.
+        group: Process group (default WORLD).
+        async_op: Return a handle; call its ``wait()`` before reading ``tensor``.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work-like handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    name = _reduce_op_name(op)
+    n, initialized = _group_info(group, "all_reduce")
+    wire, write_back = reduction_wire(tensor, name)
+    work = dist.all_reduce(wire, op=_TORCH_OPS[name], group=group, async_op=async_op) if initialized else None
+    _record(ledger, "all_reduce", label, _nbytes(wire), n)
+
+    finalize: Callable[[], None] | None = None
+    if wire is not tensor or (name == "avg" and n > 1):
+
+        def finalize() -> None:
+            if name == "avg":
+                wire.div_(n)
+            write_back(wire)
+
+    return _finish(work, finalize, async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str | dist.ReduceOp = "sum",
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Reduce ``input`` (n equal chunks along dim 0) across the group; this rank's chunk lands in ``output``.
+
+    Args:
+        output: Receives this rank's reduced chunk (``input.numel() // n`` elements, same dtype).
+        input: The full tensor to reduce; counted as ``S``.
+        op: As in :func:`all_reduce`.
+        label: Link label recorded in the ledger.
+        group: Process group (default WORLD).
+        async_op: Return a handle; call its ``wait()`` before reading ``output``.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work-like handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    name = _reduce_op_name(op)
+    n, initialized = _group_info(group, "reduce_scatter_tensor")
+    if output.dtype != input.dtype:
+        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
+    wire_in, _ = reduction_wire(input, name)
+    wire_out, write_back = reduction_wire(output, name)
+    if not initialized:
+        work = None
+        _copy_local(wire_out, wire_in)
+    else:
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        work = fn(wire_out, wire_in, op=_TORCH_OPS[name], group=group, async_op=async_op)
+    _record(ledger, "reduce_scatter_tensor", label, _nbytes(wire_in), n)
+
+    finalize: Callable[[], None] | None = None
+    if wire_out is not output or (name == "avg" and n > 1):
+
+        def finalize() -> None:
+            if name == "avg":
+                wire_out.div_(n)
+            write_back(wire_out)
+
+    return _finish(work, finalize, async_op)
+
+
+# ------------------------------------------------------------------------------------------------ data movement
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Gather every rank's ``input`` into ``output`` (concatenated along dim 0, rank order).
+
+    Args:
+        output: ``n`` times the size of ``input``, same dtype; contiguous when the dtype is bit-cast.
+        input: This rank's contribution; counted as ``S_local``.
+        label: Link label recorded in the ledger.
+        group: Process group (default WORLD).
+        async_op: Return the Work handle.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    n, initialized = _group_info(group, "all_gather_into_tensor")
+    if output.dtype != input.dtype:
+        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
+    if not initialized:
+        work = None
+        _copy_local(output, input)
+    else:
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        work = fn(as_wire_output(output, "output"), as_wire_input(input), group=group, async_op=async_op)
+    _record(ledger, "all_gather_into_tensor", label, _nbytes(input), n)
+    return _finish(work, None, async_op)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Gather every rank's ``tensor`` into ``tensor_list[rank]``.
+
+    Args:
+        tensor_list: ``n`` tensors shaped like ``tensor``; contiguous when the dtype is bit-cast.
+        tensor: This rank's contribution; counted as ``S_local``.
+        label: Link label recorded in the ledger.
+        group: Process group (default WORLD).
+        async_op: Return the Work handle.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    n, initialized = _group_info(group, "all_gather")
+    if len(tensor_list) != n:
+        raise ValueError(f"tensor_list must hold one tensor per rank ({n}), got {len(tensor_list)}.")
+    if not initialized:
+        work = None
+        _copy_local(tensor_list[0], tensor)
+    else:
+        outputs = [as_wire_output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
+        work = dist.all_gather(outputs, as_wire_input(tensor), group=group, async_op=async_op)
+    _record(ledger, "all_gather", label, _nbytes(tensor), n)
+    return _finish(work, None, async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
+
+    Args:
+        tensor: Source on ``src``, overwritten elsewhere; contiguous when the dtype is bit-cast.
+        src: Global rank of the root.
+        label: Link label recorded in the ledger.
+        group: Process group (default WORLD).
+        async_op: Return the Work handle.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    n, initialized = _group_info(group, "broadcast")
+    if not initialized:
+        if src != 0:
+            raise ValueError(f"broadcast src={src} does not exist in a single-process run (only rank 0).")
+        work, rank = None, 0
+    else:
+        work = dist.broadcast(as_wire_output(tensor, "tensor"), src=src, group=group, async_op=async_op)
+        rank = dist.get_rank()
+    _record(ledger, "broadcast", label, _nbytes(tensor), n, rank=rank, src=src)
+    return _finish(work, None, async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    *,
+    label: str,
+    group: Any | None = None,
+    async_op: bool = False,
+    ledger: ByteLedger | None = None,
+) -> Any | None:
+    """Scatter blocks of ``input`` (along dim 0) to every rank and gather theirs into ``output``.
+
+    Args:
+        output: Receives the blocks, rank order; contiguous when the dtype is bit-cast.
+        input: This rank's blocks; rank ``j`` gets the ``j``-th. Counted as ``S_in``.
+        output_split_sizes: Rows received from each rank (default: equal split).
+        input_split_sizes: Rows sent to each rank (default: equal split).
+        label: Link label recorded in the ledger.
+        group: Process group (default WORLD).
+        async_op: Return the Work handle.
+        ledger: Ledger to record into (default: the process-global one).
+
+    Returns:
+        A Work handle when ``async_op`` else None.
+    """
+    validate_label(label)
+    n, initialized = _group_info(group, "all_to_all_single")
+    if output.dtype != input.dtype:
+        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
+    row_in = _nbytes(input) // input.shape[0] if input.dim() and input.shape[0] else 0
+    row_out = _nbytes(output) // output.shape[0] if output.dim() and output.shape[0] else 0
+    rank = dist.get_rank(group) if initialized else 0
+    own = _nbytes(input) // n if input_split_sizes is None else input_split_sizes[rank] * row_in
+    if not initialized:
+        work = None
+        _copy_local(output, input)
+    elif input.dtype in GLOO_NATIVE_DTYPES:
+        work = dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
+    else:  # bit-cast: a flat uint8 view, so split sizes are counted in bytes instead of rows
+        out_splits = None if output_split_sizes is None else [s * row_out for s in output_split_sizes]
+        in_splits = None if input_split_sizes is None else [s * row_in for s in input_split_sizes]
+        work = dist.all_to_all_single(
+            as_wire_output(output, "output"),
+            as_wire_input(input),
+            out_splits,
+            in_splits,
+            group=group,
+            async_op=async_op,
+        )
+    _record(ledger, "all_to_all_single", label, _nbytes(input), n, output_bytes=_nbytes(output), own_block_bytes=own)
+    return _finish(work, None, async_op)
+
+
+# --------------------------------------------------------------------------------------------- point to point
+def _p2p_group_size(group: Any | None, op: str) -> int:
+    n, initialized = _group_info(group, op)
+    if not initialized:
+        raise RuntimeError(f"lightning_hetero.comm.{op} needs an initialized process group with a peer.")
+    return n
+
+
+def send(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    label: str,
+    group: Any | None = None,
+    tag: int = 0,
+    ledger: ByteLedger | None = None,
+) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking); records ``S`` sent."""
+    validate_label(label)
+    n = _p2p_group_size(group, "send")
+    dist.send(as_wire_input(tensor), dst=dst, group=group, tag=tag)
+    _record(ledger, "send", label, _nbytes(tensor), n)
+
+
+def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    *,
+    label: str,
+    group: Any | None = None,
+    tag: int = 0,
+    ledger: ByteLedger | None = None,
+) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (any rank when None, blocking); returns the sender's rank."""
+    validate_label(label)
+    n = _p2p_group_size(group, "recv")
+    sender = dist.recv(as_wire_output(tensor, "tensor"), src=src, group=group, tag=tag)
+    _record(ledger, "recv", label, _nbytes(tensor), n)
+    return sender
+
+
+def isend(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    label: str,
+    group: Any | None = None,
+    tag: int = 0,
+    ledger: ByteLedger | None = None,
+) -> Any:
+    """Start sending ``tensor`` to global rank ``dst``; returns the Work handle. Bytes are recorded now."""
+    validate_label(label)
+    n = _p2p_group_size(group, "isend")
+    work = dist.isend(as_wire_input(tensor), dst=dst, group=group, tag=tag)
+    _record(ledger, "isend", label, _nbytes(tensor), n)
+    return work
+
+
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    *,
+    label: str,
+    group: Any | None = None,
+    tag: int = 0,
+    ledger: ByteLedger | None = None,
+) -> Any:
+    """Start receiving into ``tensor`` from global rank ``src``; returns the Work handle. Bytes are recorded now."""
+    validate_label(label)
+    n = _p2p_group_size(group, "irecv")
+    work = dist.irecv(as_wire_output(tensor, "tensor"), src=src, group=group, tag=tag)
+    _record(ledger, "irecv", label, _nbytes(tensor), n)
+    return work
+
+
+def barrier(*, group: Any | None = None, async_op: bool = False) -> Any | None:
+    """Synchronize the group. Not recorded in the ledger (no payload); a no-op in a single uninitialized process."""
+    _, initialized = _group_info(group, "barrier")
+    if not initialized:
+        return _finish(None, None, async_op)
+    return dist.barrier(group=group, async_op=async_op)
