@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-REPORT = re.compile(r"\[ValidationReport\] (before|after) training(?: \(from checkpoint\))?: loss ([\d.]+), perplexity ([\d.]+)")
+REPORT = re.compile(r"\[ValidationReport\] (before|after) training(?: \(from checkpoint\))?:\s+loss ([\d.]+), perplexity ([\d.]+)")
 
 
 def run_cli(tmp_path: Path, config: str, *overrides: str, timeout: int = 900) -> tuple[str, Path, float]:
