@@ -347,3 +347,19 @@ def make_dataloader(
         collate_fn=collate_fn,
         generator=torch.Generator().manual_seed(seed) if train else None,
     )
+
+
+class ValidationSplitForTestAndPredict:
+    """Mixin for DataModules: ``test`` and ``predict`` run on the validation split.
+
+    The offline corpora are small (5k MNIST images, 38 plays), so there is no third split; ``lightning-hetero test``
+    and ``predict`` evaluate the same held-out data as validation. Put it before ``LightningDataModule`` in the bases.
+    """
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        """The validation loader (see the class docstring)."""
+        return self.val_dataloader()  # type: ignore[attr-defined]
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        """The validation loader (see the class docstring)."""
+        return self.val_dataloader()  # type: ignore[attr-defined]

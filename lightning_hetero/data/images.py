@@ -19,13 +19,19 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from lightning_hetero.data.base import check_fraction, check_positive_int, make_dataloader, stratified_split
+from lightning_hetero.data.base import (
+    ValidationSplitForTestAndPredict,
+    check_fraction,
+    check_positive_int,
+    make_dataloader,
+    stratified_split,
+)
 from lightning_hetero.utils.assets import MissingAssetError, install_hint, package_dir
 
 NUM_CLASSES = 10
 
 
-class _DigitImagesDataModule(L.LightningDataModule):
+class _DigitImagesDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
     """Shared pipeline: load ``(pixels uint/float [N,H*W], labels [N])``, split, standardize, wrap in ``datasets``."""
 
     #: Import name of the package that ships the CSV, and the CSV's path inside it.

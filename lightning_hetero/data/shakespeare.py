@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_hetero.data.base import (
     BPE_ALGORITHM_VERSION,
+    ValidationSplitForTestAndPredict,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
@@ -182,7 +183,7 @@ def load_sections(plays: list[PlayFile], max_chars: int | None = None) -> list[s
     return sections
 
 
-class ShakespeareDataModule(L.LightningDataModule):
+class ShakespeareDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
     """Shakespeare's plays for causal language modeling, fully offline.
 
     Batches are ``{"input_ids": Long[B, seq_len], "labels": Long[B, seq_len]}`` with ``labels == input_ids`` (HF

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_hetero.data.base import (
     UNIGRAM_ALGORITHM_VERSION,
+    ValidationSplitForTestAndPredict,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
@@ -160,7 +161,7 @@ class Seq2SeqCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-class TranslationDataModule(L.LightningDataModule):
+class TranslationDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
     """English -> ``target_lang`` translation of software messages, fully offline, for T5-style models.
 
     Batches are ``{"input_ids": Long[B,S], "attention_mask": Long[B,S], "labels": Long[B,T]}``, padded per batch;

@@ -274,6 +274,15 @@ class HFModuleBase(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.evaluation_step(batch, "test")
 
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Per-example predictions for ``trainer.predict`` / ``lightning-hetero predict`` (see :meth:`predictions`)."""
+        return self.predictions(self(**batch), batch)
+
+    def predictions(self, outputs: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Subclass hook: turn one batch's model outputs into a dict of per-example tensors."""
+        raise NotImplementedError
+
     def evaluation_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         """Log ``<stage>/loss`` (epoch mean over all ranks) and update and log the stage's metrics."""
         outputs = self(**batch)

@@ -78,3 +78,22 @@ class CausalLMModule(HFModuleBase):
         logits = outputs.logits[:, :-1].float()
         labels = batch["labels"][:, 1:]
         metrics["perplexity"].update(logits, labels)
+
+    @override
+    def predictions(self, outputs: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``sequence_nll``: mean next-token negative log-likelihood per sequence (its exp is the sequence's
+        perplexity); ``next_token``: the greedy next token after each sequence."""
+        logits = outputs.logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        token_nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        counted = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+        # Right padding: the next token follows the last attended position, not the last column.
+        mask = batch.get("attention_mask")
+        last = mask.sum(dim=1) - 1 if mask is not None else torch.full_like(counted, outputs.logits.shape[1] - 1)
+        rows = torch.arange(outputs.logits.shape[0], device=outputs.logits.device)
+        return {
+            "sequence_nll": token_nll.sum(dim=1) / counted,
+            "next_token": outputs.logits[rows, last].argmax(dim=-1),
+        }

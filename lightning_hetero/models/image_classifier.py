@@ -86,6 +86,12 @@ class ImageClassifierModule(HFModuleBase):
     def update_metrics(self, metrics: nn.ModuleDict, outputs: Any, batch: Mapping[str, torch.Tensor]) -> None:
         metrics["accuracy"].update(outputs.logits.argmax(dim=-1), batch["labels"])
 
+    @override
+    def predictions(self, outputs: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``predictions``: the most likely class per image; ``probabilities``: the softmax over classes."""
+        probabilities = outputs.logits.float().softmax(dim=-1)
+        return {"predictions": probabilities.argmax(dim=-1), "probabilities": probabilities}
+
 
 def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     """ViT accepts an int or an (height, width) pair for image and patch sizes."""

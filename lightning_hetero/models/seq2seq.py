@@ -93,3 +93,17 @@ class Seq2SeqModule(HFModuleBase):
         labels = batch["labels"]
         metrics["perplexity"].update(logits, labels)
         metrics["token_accuracy"].update(logits.argmax(dim=-1).flatten(), labels.flatten())
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """``generated``: greedy output token ids per source (as long as the labels, or 64 tokens without labels)."""
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}.model is not built yet: call configure_model() first.")
+        max_new_tokens = batch["labels"].shape[1] if "labels" in batch else 64
+        generated = self.model.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        return {"generated": generated}

@@ -55,8 +55,8 @@ def _register_one(registry: dict, name: str, cls: type, description: str, init_p
         else:
             raise ValueError(
                 f"Strategy name {name!r} is already registered for {existing['strategy'].__module__}."
-                f"{existing['strategy'].__qualname__}; refusing to overwrite it with {cls.__module__}.{cls.__qualname__}."
-                " Pick another name."
+                f"{existing['strategy'].__qualname__}; refusing to overwrite it with "
+                f"{cls.__module__}.{cls.__qualname__}. Pick another name."
             )
     registry.register(name, cls, description=description, override=True, **init_params)
 

@@ -93,3 +93,26 @@ def test_quickstart_console_script_runs_five_steps(tmp_path):
     assert len(train_losses) == 5
     assert perplexities and all(1.0 < value < 1e5 for value in perplexities)
     assert list(out.rglob("*.ckpt")), "the quickstart checkpoints under default_root_dir"
+
+
+@pytest.mark.assets
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluation_subcommands_run(subcommand, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lightning-hetero"])
+    monkeypatch.setenv("LIGHTNING_HETERO_CACHE", str(tmp_path / "cache"))
+    limit = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}
+    build_cli(
+        [
+            subcommand,
+            "--config",
+            str(REPO / "configs/quickstart.yaml"),
+            "--data.init_args.max_chars=300000",
+            "--data.init_args.vocab_size=512",
+            f"--trainer.{limit[subcommand]}=2",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
+    if subcommand != "predict":
+        assert f"{'val' if subcommand == 'validate' else 'test'}/perplexity" in capsys.readouterr().out

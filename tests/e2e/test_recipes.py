@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-REPORT = re.compile(r"\[ValidationReport\] (before|after) training(?: \(from checkpoint\))?:\s+loss ([\d.]+), perplexity ([\d.]+)")
+REPORT = re.compile(
+    r"\[ValidationReport\] (before|after) training(?: \(from checkpoint\))?:\s+loss ([\d.]+), perplexity ([\d.]+)"
+)
 
 
 def run_cli(tmp_path: Path, config: str, *overrides: str, timeout: int = 900) -> tuple[str, Path, float]:
@@ -25,7 +27,11 @@ def run_cli(tmp_path: Path, config: str, *overrides: str, timeout: int = 900) ->
     args += ["--trainer.logger.init_args.save_dir", str(out), *overrides]
     start = time.perf_counter()
     result = subprocess.run(
-        command + args, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+        command + args,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
     elapsed = time.perf_counter() - start

@@ -60,7 +60,9 @@ def test_name_must_be_lowercase(bad):
 
 
 def test_builtin_specs_register_and_reimport_is_idempotent(monkeypatch, probe_name):
-    spec = StrategySpec(probe_name, f"{__name__}:_TrainerProbe", f"{__name__}:_FabricProbe", init_params={"device": "cpu"})
+    spec = StrategySpec(
+        probe_name, f"{__name__}:_TrainerProbe", f"{__name__}:_FabricProbe", init_params={"device": "cpu"}
+    )
     monkeypatch.setattr(registry_module, "BUILTIN_STRATEGIES", [spec])
     assert register_builtin_strategies() == [probe_name]
     assert register_builtin_strategies() == [probe_name]

