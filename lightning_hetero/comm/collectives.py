@@ -172,6 +172,21 @@ def _copy_local(output: torch.Tensor, tensor: torch.Tensor) -> None:
     output.copy_(tensor.reshape(output.shape))
 
 
+def _reduction_finalizer(
+    wire: torch.Tensor, target: torch.Tensor, write_back: Callable[[torch.Tensor], None], name: str, n: int
+) -> Callable[[], None] | None:
+    """What is left after a reduction lands in ``wire``: divide for ``"avg"``, copy an upcast back into ``target``."""
+    if wire is target and not (name == "avg" and n > 1):
+        return None
+
+    def finalize() -> None:
+        if name == "avg":
+            wire.div_(n)
+        write_back(wire)
+
+    return finalize
+
+
 # ---------------------------------------------------------------------------------------------------- reductions
 def all_reduce(
     tensor: torch.Tensor,
@@ -203,15 +218,7 @@ def all_reduce(
     work = dist.all_reduce(wire, op=_TORCH_OPS[name], group=group, async_op=async_op) if initialized else None
     _record(ledger, "all_reduce", label, _nbytes(wire), n)
 
-    finalize: Callable[[], None] | None = None
-    if wire is not tensor or (name == "avg" and n > 1):
-
-        def finalize() -> None:
-            if name == "avg":
-                wire.div_(n)
-            write_back(wire)
-
-    return _finish(work, finalize, async_op)
+    return _finish(work, _reduction_finalizer(wire, tensor, write_back, name, n), async_op)
 
 
 def reduce_scatter_tensor(
@@ -253,15 +260,7 @@ def reduce_scatter_tensor(
         work = fn(wire_out, wire_in, op=_TORCH_OPS[name], group=group, async_op=async_op)
     _record(ledger, "reduce_scatter_tensor", label, _nbytes(wire_in), n)
 
-    finalize: Callable[[], None] | None = None
-    if wire_out is not output or (name == "avg" and n > 1):
-
-        def finalize() -> None:
-            if name == "avg":
-                wire_out.div_(n)
-            write_back(wire_out)
-
-    return _finish(work, finalize, async_op)
+    return _finish(work, _reduction_finalizer(wire_out, output, write_back, name, n), async_op)
 
 
 # ------------------------------------------------------------------------------------------------ data movement

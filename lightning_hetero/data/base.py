@@ -349,12 +349,31 @@ def make_dataloader(
     )
 
 
-class ValidationSplitForTestAndPredict:
-    """Mixin for DataModules: ``test`` and ``predict`` run on the validation split.
+class DatasetSplitsMixin:
+    """Shared by our DataModules: ``train``/``validation`` datasets built in ``setup``, and test/predict loaders.
 
-    The offline corpora are small (5k MNIST images, 38 plays), so there is no third split; ``lightning-hetero test``
-    and ``predict`` evaluate the same held-out data as validation. Put it before ``LightningDataModule`` in the bases.
+    Subclasses fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()``. There is no third split:
+    the offline corpora are small, so ``test_dataloader()`` and ``predict_dataloader()`` return the validation loader
+    and ``lightning-hetero test`` / ``predict`` evaluate the held-out validation data. Put the mixin before
+    ``LightningDataModule`` in the bases.
     """
+
+    _datasets: dict[str, Any]
+
+    def _dataset(self, split: str) -> Any:
+        if not self._datasets:
+            raise RuntimeError(f"Call `setup()` (the Trainer does) before asking {type(self).__name__} for data.")
+        return self._datasets[split]
+
+    @property
+    def train_dataset(self) -> Any:
+        """Training examples as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
+        return self._dataset("train")
+
+    @property
+    def val_dataset(self) -> Any:
+        """Validation examples as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
+        return self._dataset("validation")
 
     def test_dataloader(self) -> torch.utils.data.DataLoader:
         """The validation loader (see the class docstring)."""

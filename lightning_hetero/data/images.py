@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
-    ValidationSplitForTestAndPredict,
+    DatasetSplitsMixin,
     check_fraction,
     check_positive_int,
     make_dataloader,
@@ -31,7 +31,7 @@ from lightning_hetero.utils.assets import MissingAssetError, install_hint, packa
 NUM_CLASSES = 10
 
 
-class _DigitImagesDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
+class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
     """Shared pipeline: load ``(pixels uint/float [N,H*W], labels [N])``, split, standardize, wrap in ``datasets``."""
 
     #: Import name of the package that ships the CSV, and the CSV's path inside it.
@@ -95,21 +95,6 @@ class _DigitImagesDataModule(ValidationSplitForTestAndPredict, L.LightningDataMo
             raise ValueError(
                 f"Only {len(self._datasets['train'])} training images, fewer than `batch_size={self.batch_size}`."
             )
-
-    def _dataset(self, split: str) -> Any:
-        if not self._datasets:
-            raise RuntimeError(f"Call `setup()` (the Trainer does) before asking {type(self).__name__} for data.")
-        return self._datasets[split]
-
-    @property
-    def train_dataset(self) -> Any:
-        """Training images as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("train")
-
-    @property
-    def val_dataset(self) -> Any:
-        """Validation images as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("validation")
 
     @property
     def num_classes(self) -> int:

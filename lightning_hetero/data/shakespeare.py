@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_hetero.data.base import (
     BPE_ALGORITHM_VERSION,
-    ValidationSplitForTestAndPredict,
+    DatasetSplitsMixin,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
@@ -183,7 +183,7 @@ def load_sections(plays: list[PlayFile], max_chars: int | None = None) -> list[s
     return sections
 
 
-class ShakespeareDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
+class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
     """Shakespeare's plays for causal language modeling, fully offline.
 
     Batches are ``{"input_ids": Long[B, seq_len], "labels": Long[B, seq_len]}`` with ``labels == input_ids`` (HF
@@ -403,21 +403,6 @@ class ShakespeareDataModule(ValidationSplitForTestAndPredict, L.LightningDataMod
                 f"`batch_size={self.batch_size}` (the last partial batch is dropped). Lower `batch_size` or "
                 "`seq_len`, or raise `max_chars`."
             )
-
-    def _dataset(self, split: str) -> Any:
-        if not self._datasets:
-            raise RuntimeError("Call `setup()` (the Trainer does) before asking ShakespeareDataModule for data.")
-        return self._datasets[split]
-
-    @property
-    def train_dataset(self) -> Any:
-        """Training blocks as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("train")
-
-    @property
-    def val_dataset(self) -> Any:
-        """Validation blocks as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("validation")
 
     @property
     def stats(self) -> dict[str, Any]:

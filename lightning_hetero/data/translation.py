@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_hetero.data.base import (
     UNIGRAM_ALGORITHM_VERSION,
-    ValidationSplitForTestAndPredict,
+    DatasetSplitsMixin,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
@@ -161,7 +161,7 @@ class Seq2SeqCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-class TranslationDataModule(ValidationSplitForTestAndPredict, L.LightningDataModule):
+class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
     """English -> ``target_lang`` translation of software messages, fully offline, for T5-style models.
 
     Batches are ``{"input_ids": Long[B,S], "attention_mask": Long[B,S], "labels": Long[B,T]}``, padded per batch;
@@ -382,21 +382,6 @@ class TranslationDataModule(ValidationSplitForTestAndPredict, L.LightningDataMod
                 f"Only {len(self._datasets['train'])} training pairs, fewer than `batch_size={self.batch_size}` (the "
                 "last partial batch is dropped). Lower `batch_size` or raise `max_pairs`."
             )
-
-    def _dataset(self, split: str) -> Any:
-        if not self._datasets:
-            raise RuntimeError("Call `setup()` (the Trainer does) before asking TranslationDataModule for data.")
-        return self._datasets[split]
-
-    @property
-    def train_dataset(self) -> Any:
-        """Tokenized training pairs as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("train")
-
-    @property
-    def val_dataset(self) -> Any:
-        """Tokenized validation pairs as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
-        return self._dataset("validation")
 
     @property
     def stats(self) -> dict[str, Any]:
