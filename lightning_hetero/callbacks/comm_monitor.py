@@ -143,6 +143,8 @@ class CommunicationMonitor(Callback):
             busiest_direction_bits = max(this_step.sent, this_step.received) * 8
             for name, bits_per_second in self.bits_per_second.items():
                 metrics[f"comm/{label}/seconds_at_{name}"] = busiest_direction_bits / bits_per_second
+        if not metrics:  # nothing communicated and no labels requested: no empty rows in the loggers
+            return
         # callback_metrics and the progress bar go through self.log. The loggers are written directly, as
         # LearningRateMonitor does: self.log from a callback would repeat the last value at every step we skip.
         for name, value in metrics.items():
