@@ -11,7 +11,7 @@ Datamodules override these (and ``vocab_size``) through ``hf_config_overrides()`
 
 Print the table of presets with their parameter counts::
 
-    python -m lightning_hetero.models.presets
+    python -m lightning_hetero.models
 """
 
 from __future__ import annotations
@@ -259,7 +259,8 @@ def count_parameters(preset: str, overrides: dict[str, Any] | None = None) -> in
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def _main() -> None:
+def print_presets() -> None:
+    """Print every preset with its model class and parameter count (``python -m lightning_hetero.models``)."""
     print(f"| {'preset':<12} | {'model class':<28} | {'params':>8} |")
     print(f"|{'-' * 14}|{'-' * 30}|{'-' * 9}:|")
     for name in PRESETS:
@@ -267,6 +268,3 @@ def _main() -> None:
         model_class = getattr(transformers, FAMILY_AUTO_CLASS[config.model_type])._model_mapping[type(config)]
         print(f"| {name:<12} | {model_class.__name__:<28} | {count_parameters(name) / 1e6:>7.2f}M |")
 
-
-if __name__ == "__main__":
-    _main()
