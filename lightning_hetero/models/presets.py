@@ -267,4 +267,3 @@ def print_presets() -> None:
         config = build_config(name)
         model_class = getattr(transformers, FAMILY_AUTO_CLASS[config.model_type])._model_mapping[type(config)]
         print(f"| {name:<12} | {model_class.__name__:<28} | {count_parameters(name) / 1e6:>7.2f}M |")
-
