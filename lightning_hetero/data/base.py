@@ -11,6 +11,7 @@ into place, so a reader never sees half an entry and two processes building the 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -359,6 +360,15 @@ class DatasetSplitsMixin:
     """
 
     _datasets: dict[str, Any]
+    _stats: dict[str, Any]
+
+    def _load_cached_splits(self, directory: Path) -> None:
+        """Load ``stats.json`` and the train/validation datasets that ``prepare_data`` saved in ``directory``."""
+        from datasets import load_from_disk
+
+        self._stats = json.loads((directory / "stats.json").read_text())
+        for split in ("train", "validation"):
+            self._datasets[split] = load_from_disk(str(directory / split)).with_format("torch")
 
     def _dataset(self, split: str) -> Any:
         if not self._datasets:

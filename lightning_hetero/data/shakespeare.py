@@ -384,14 +384,9 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
     @override
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenizer and the train/val blocks from the cache (building them if ``prepare_data`` did not)."""
-        from datasets import load_from_disk
-
         if self._datasets:
             return
-        directory = self._ensure_blocks()
-        self._stats = json.loads((directory / "stats.json").read_text())
-        for split in ("train", "validation"):
-            self._datasets[split] = load_from_disk(str(directory / split)).with_format("torch")
+        self._load_cached_splits(self._ensure_blocks())
         if len(self._datasets["validation"]) == 0:
             raise ValueError(
                 f"The validation sections hold fewer than `seq_len={self.seq_len}` tokens, so there is no validation "

@@ -369,14 +369,9 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
     @override
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenizer and the tokenized pairs from the cache (building them if ``prepare_data`` did not)."""
-        from datasets import load_from_disk
-
         if self._datasets:
             return
-        directory = self._ensure_pairs()
-        self._stats = json.loads((directory / "stats.json").read_text())
-        for split in ("train", "validation"):
-            self._datasets[split] = load_from_disk(str(directory / split)).with_format("torch")
+        self._load_cached_splits(self._ensure_pairs())
         if len(self._datasets["train"]) < self.batch_size:
             raise ValueError(
                 f"Only {len(self._datasets['train'])} training pairs, fewer than `batch_size={self.batch_size}` (the "
