@@ -19,6 +19,7 @@ from lightning_hetero.comm.collectives import (
     reduce_scatter_tensor,
     send,
 )
+from lightning_hetero.comm.dump import LEDGER_DIR_ENV, dump_ledger, load_ledger_dumps, register_exit_dump
 from lightning_hetero.comm.ledger import (
     COUNTED_OPS,
     INTER,
@@ -34,11 +35,14 @@ from lightning_hetero.comm.ledger import (
 )
 from lightning_hetero.comm.units import BANDWIDTH_UNITS, format_bytes, parse_bandwidth, transfer_seconds
 
+register_exit_dump()  # no-op unless $LIGHTNING_HETERO_LEDGER_DIR is set (the bandwidth testbed sets it)
+
 __all__ = [
     "BANDWIDTH_UNITS",
     "COUNTED_OPS",
     "INTER",
     "INTRA",
+    "LEDGER_DIR_ENV",
     "PIPELINE",
     "REDUCE_OPS",
     "STANDARD_LABELS",
@@ -51,10 +55,12 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "dump_ledger",
     "format_bytes",
     "get_ledger",
     "irecv",
     "isend",
+    "load_ledger_dumps",
     "parse_bandwidth",
     "recv",
     "reduce_scatter_tensor",
