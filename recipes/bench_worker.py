@@ -1,0 +1,161 @@
+"""One rank of a baseline benchmark: stock Lightning DDP, stock FSDP2 HSDP, or a single process (compute only).
+
+Run by ``recipes/bench_baselines.py`` under the bandwidth testbed, which starts every rank itself with a
+torchrun-style environment (so Lightning detects torchelastic and does not spawn). Each step's wall time and the
+node's veth byte counters (``/sys/class/net/eth0/statistics`` inside the testbed namespace) are recorded; rank 0
+writes a JSON summary to ``--out``.
+
+    python recipes/bench_worker.py --strategy single --steps 12 --out /tmp/single.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_hetero.data import ShakespeareDataModule
+from lightning_hetero.models import CausalLMModule
+
+COUNTERS = Path("/sys/class/net/eth0/statistics")
+
+
+def read_wire_bytes() -> tuple[int, int] | None:
+    """(tx, rx) bytes of this namespace's eth0, or None outside the testbed."""
+    try:
+        return int((COUNTERS / "tx_bytes").read_text()), int((COUNTERS / "rx_bytes").read_text())
+    except OSError:
+        return None
+
+
+class StepRecorder(L.Callback):
+    """Wall time and node wire bytes of every training step (forward, backward with its sync, optimizer step)."""
+
+    def __init__(self, read_wire: bool) -> None:
+        self.read_wire = read_wire
+        self.step_seconds: list[float] = []
+        self.step_wire: list[tuple[int, int]] = []
+        self._start = 0.0
+        self._wire_start: tuple[int, int] | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._wire_start = read_wire_bytes() if self.read_wire else None
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.step_seconds.append(time.perf_counter() - self._start)
+        wire_end = read_wire_bytes() if self.read_wire else None
+        if wire_end is not None and self._wire_start is not None:
+            self.step_wire.append((wire_end[0] - self._wire_start[0], wire_end[1] - self._wire_start[1]))
+
+
+class HSDPCausalLM(CausalLMModule):
+    """The reference causal LM with FSDP2 ``fully_shard`` on the strategy's 2-D mesh (replicate x shard = HSDP)."""
+
+    @override
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        super().configure_model()
+        if isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh  # (data_parallel = nodes, tensor_parallel = ranks per node), used as (replicate, shard)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class HSDPStrategy(ModelParallelStrategy):
+    """Stock ``ModelParallelStrategy`` whose sampler treats every rank as data parallel.
+
+    The stock strategy shards data over the first mesh dimension only (it assumes the second is tensor parallel), so
+    the ranks of one node would see the same batch; with HSDP every rank is a data-parallel replica.
+    """
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=["single", "ddp", "hsdp"], required=True)
+    parser.add_argument("--preset", default="llama-tiny")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--wire-counters", action="store_true", help="read eth0 counters (only inside the testbed)")
+    args = parser.parse_args()
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    num_nodes = world_size // ranks_per_node
+    L.seed_everything(0, verbose=False)
+    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
+    if args.strategy == "single":
+        module, strategy = CausalLMModule(preset=args.preset, warmup_steps=0), "auto"
+    elif args.strategy == "ddp":
+        module, strategy = CausalLMModule(preset=args.preset, warmup_steps=0), DDPStrategy()
+    else:
+        module = HSDPCausalLM(preset=args.preset, warmup_steps=0)
+        strategy = HSDPStrategy(data_parallel_size=num_nodes, tensor_parallel_size=ranks_per_node)
+    recorder = StepRecorder(read_wire=args.wire_counters)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ranks_per_node,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=data)
+    if trainer.global_rank != 0:
+        return
+    measured = recorder.step_seconds[args.warmup :]
+    wire = recorder.step_wire[args.warmup :]
+    median_step = statistics.median(measured)
+    tokens_per_step = args.batch_size * args.seq_len * world_size
+    summary = {
+        "strategy": args.strategy,
+        "preset": args.preset,
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "world_size": world_size,
+        "nodes": num_nodes,
+        "ranks_per_node": ranks_per_node,
+        "batch_size_per_rank": args.batch_size,
+        "seq_len": args.seq_len,
+        "torch_threads": torch.get_num_threads(),
+        "step_seconds": recorder.step_seconds,
+        "median_step_s": median_step,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / median_step,
+        # This node's eth0 during the measured steps: (tx, rx) bytes per step; None outside the testbed.
+        "wire_tx_bytes_per_step": statistics.median(tx for tx, _ in wire) if wire else None,
+        "wire_rx_bytes_per_step": statistics.median(rx for _, rx in wire) if wire else None,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
