@@ -1,0 +1,329 @@
+"""Per-region gradient aggregation for tiered MatFormer training, through the counted collectives only.
+
+Each FFN region (see :func:`~lightning_hetero.matformer.tiers.regions`) is all-reduced among exactly the ranks that
+hold it, over one process group per distinct rank set (:class:`RegionGroups`), so a tier-``t`` rank moves only the
+bytes of what it holds. All pieces that share a rank set (and wire dtype) travel in one flat bucket: one all-reduce
+per group per step. Non-FFN gradients join the all-ranks bucket. Modes:
+
+- ``mean``: ``sum_i w_i g_i / sum_i w_i`` per coordinate over the ranks that trained it (``w_i = 1`` by default);
+- ``sign``: majority vote, ``sign(sum_i w_i sign(g_i))``; untrained coordinates vote 0, so nothing turns into +1.
+
+Helper ranks join the groups of every region in their tail, send zeros where they did not train, and divide by
+per-neuron contributor weights that every rank computes locally (no count tensor travels). See
+``docs/matformer_aggregation.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero import comm
+from lightning_hetero.comm import INTER, ByteLedger
+from lightning_hetero.matformer.tiers import (
+    HelperConfig,
+    Region,
+    TierLayout,
+    TierWeights,
+    check_mode,
+    contributor_weights,
+    drawn_neurons,
+    layer_regions,
+    rank_weights,
+    validate_helpers,
+    wire_dtype,
+)
+from lightning_hetero.matformer.types import FFNParameter
+
+__all__ = ["RegionGroups", "aggregate_gradients"]
+
+
+class RegionGroups:
+    """One process group per distinct rank set that shares a region, created identically on every rank.
+
+    Every rank must construct this, with the same arguments and in the same order relative to other
+    ``torch.distributed.new_group`` calls (``new_group`` is collective over the whole world), after
+    ``init_process_group`` and before the first :func:`aggregate_gradients`. Rank sets are created largest first,
+    ties by rank tuple; the all-ranks set uses the default group and single-rank sets need no group at all.
+
+    Args:
+        layout: Widths of every rank in every layer.
+        helpers: Helper configs by rank (see :class:`~lightning_hetero.matformer.tiers.HelperConfig`); helpers join
+            the groups of the regions in their tail, so they change the rank sets.
+        label: Ledger label of the exchange (``"inter"``: the slow link between nodes).
+        backend: Backend for the new groups (default: the world's).
+        verify: All-reduce a 16-byte fingerprint of ``(layout, helpers)`` once, so that ranks configured
+            differently fail here with a clear error instead of hanging or mixing wrong regions later.
+        ledger: Ledger that records the verification (default: the global one).
+    """
+
+    def __init__(
+        self,
+        layout: TierLayout,
+        *,
+        helpers: Mapping[int, HelperConfig] | None = None,
+        label: str = INTER,
+        backend: str | None = None,
+        verify: bool = True,
+        ledger: ByteLedger | None = None,
+    ) -> None:
+        comm.validate_label(label)
+        self.layout = layout
+        self.helpers = validate_helpers(layout, helpers)
+        self.label = label
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        self.rank = dist.get_rank() if initialized else 0
+        if world_size != layout.world_size:
+            raise ValueError(
+                f"layout describes {layout.world_size} ranks but the world has {world_size}; give one tier or width"
+                " list entry per rank" + ("" if initialized else " (or call torch.distributed.init_process_group)")
+            )
+        self._regions = {column: layer_regions(layout, column, self.helpers) for column in layout.columns()}
+        everyone = tuple(range(world_size))
+        member_sets = {region.members for found in self._regions.values() for region in found} | {everyone}
+        self.member_sets: tuple[tuple[int, ...], ...] = tuple(sorted(member_sets, key=lambda s: (-len(s), s)))
+        """Every rank set that exchanges something, in creation order."""
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for members in self.member_sets:
+            if 1 < len(members) < world_size:
+                self._groups[members] = dist.new_group(list(members), backend=backend)
+        if verify and world_size > 1:
+            self._verify(ledger)
+
+    def regions(self, layer: int = 0) -> list[Region]:
+        """The regions of ``layer`` (helpers included)."""
+        return self._regions[self.layout.column(layer)]
+
+    def group(self, members: tuple[int, ...]) -> Any | None:
+        """Process group of a rank set (None: the default group, or a single rank that needs none)."""
+        if members not in self.member_sets:
+            raise KeyError(f"no process group for ranks {members}; known rank sets: {list(self.member_sets)}.")
+        return self._groups.get(members)
+
+    def _verify(self, ledger: ByteLedger | None) -> None:
+        digest = hashlib.sha256(repr((self.layout, sorted(self.helpers.items()))).encode()).digest()
+        fingerprint = int.from_bytes(digest[:7], "little")
+        both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+        comm.all_reduce(both, "max", label=self.label, ledger=ledger)
+        if both.tolist() != [fingerprint, -fingerprint]:
+            raise ValueError(
+                f"rank {self.rank}: the ranks were given different layouts or helpers (this rank has {self.layout}"
+                f" and helpers {self.helpers}); every rank must build RegionGroups from the same configuration."
+            )
+
+
+@dataclass
+class _Piece:
+    """One slab of one gradient in a bucket, and how to put the reduced result back."""
+
+    grad: torch.Tensor
+    axis: int | None  # None: the whole tensor (non-FFN)
+    start: int
+    stop: int
+    weight: float  # this rank's weight w_i for this slab
+    denominator: float | torch.Tensor  # summed contributor weights: a scalar, or one per neuron of the slab
+    region_positions: torch.Tensor | None = None  # helper slab: positions (in the region) of the trained neurons...
+    grad_positions: torch.Tensor | None = None  # ...and where they sit in ``grad``
+    write_whole_slab: bool = True  # False for a helper with local (prefix + drawn) layout: only drawn neurons exist
+
+    def source(self) -> torch.Tensor:
+        return self.grad if self.axis is None else self.grad.narrow(self.axis, self.start, self.stop - self.start)
+
+    def shape(self) -> torch.Size:
+        if self.axis is None:
+            return self.grad.shape
+        shape = list(self.grad.shape)
+        shape[self.axis] = self.stop - self.start
+        return torch.Size(shape)
+
+    def gather(self, view: torch.Tensor, sign: bool) -> None:
+        """Write this rank's contribution (its vote for ``sign``) into ``view``; untrained neurons contribute 0."""
+        if self.region_positions is None:
+            contribution = self.source()
+            view.copy_(torch.sign(contribution) if sign else contribution)
+        else:  # a helper: only its drawn neurons, zeros elsewhere in the region
+            picked = self.grad.index_select(self.axis, self.grad_positions)
+            picked = (torch.sign(picked) if sign else picked).to(view.dtype)
+            view.zero_().index_copy_(self.axis, self.region_positions, picked)
+        if self.weight != 1.0:
+            view.mul_(self.weight)
+
+    def scatter(self, view: torch.Tensor, sign: bool) -> None:
+        """Turn the reduced sum in ``view`` into the result and write it back into the gradient."""
+        result = torch.sign(view) if sign else view.div_(self._broadcast_denominator(view))
+        if self.write_whole_slab:
+            self.source().copy_(result)
+        else:
+            picked = result.index_select(self.axis, self.region_positions).to(self.grad.dtype)
+            self.grad.index_copy_(self.axis, self.grad_positions, picked)
+
+    def _broadcast_denominator(self, view: torch.Tensor) -> float | torch.Tensor:
+        if not isinstance(self.denominator, torch.Tensor):
+            return self.denominator
+        shape = [1] * view.dim()
+        shape[self.axis] = -1
+        # A neuron nobody trained (only possible in a helpers-only region) has a zero sum: divide by 1, keep 0.
+        safe = torch.where(self.denominator > 0, self.denominator, torch.ones_like(self.denominator))
+        return safe.to(device=view.device, dtype=view.dtype).view(shape)
+
+
+def aggregate_gradients(
+    grads: Mapping[str, torch.Tensor],
+    ffn_params: Sequence[FFNParameter],
+    layout: TierLayout | RegionGroups,
+    mode: str = "mean",
+    tier_weights: TierWeights | None = None,
+    helpers: Mapping[int, HelperConfig] | None = None,
+    *,
+    step: int | None = None,
+    label: str | None = None,
+    ledger: ByteLedger | None = None,
+) -> None:
+    """Replace this rank's gradients in place by their per-region aggregate over the ranks that trained them.
+
+    Args:
+        grads: This rank's gradients by parameter name; every tensor must be floating point. FFN gradients may be
+            in the local layout (size along ``axis`` = the rank's width, plus its drawn helper neurons in
+            ascending order for a helper) or full size (tier-0 shape: only the coordinates the rank exchanges are
+            read and replaced, the rest is left as it is). Every other entry is a non-FFN gradient, averaged over
+            all ranks; every rank must pass the same non-FFN names and shapes (use zeros for missing grads).
+        ffn_params: The FFN parameters (names as in ``grads``, full sizes, axes, layers).
+        layout: The run's :class:`TierLayout`, or better the :class:`RegionGroups` built once at setup (a bare
+            layout creates new process groups on every call, which is collective and slow).
+        mode: ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        tier_weights: Weight of each tier's contribution (``{tier: w}`` or a list by tier); None weighs ranks
+            equally. For non-FFN parameters a rank counts with its lowest tier.
+        helpers: Helper configs by rank; must match those of ``layout`` when that is a :class:`RegionGroups`.
+        step: Optimizer step, which selects the helpers' draw; required when helpers are active.
+        label: Ledger label (default: the groups' label, ``"inter"``).
+        ledger: Ledger to record into (default: the global one).
+
+    Raises:
+        ValueError: Missing, non-floating or wrongly sized gradients, layout mismatches, bad weights or helpers.
+        NotImplementedError: ``mode="demo"``.
+    """
+    check_mode(mode)
+    groups = _region_groups(layout, helpers, label)
+    layout, helpers = groups.layout, groups.helpers
+    if helpers and step is None:
+        raise ValueError("aggregate_gradients needs step= (the optimizer step) when helpers are active.")
+    step = 0 if step is None else step
+    label = groups.label if label is None else label
+    buckets = _plan(grads, ffn_params, groups, mode, tier_weights, step)
+    sign = mode == "sign"
+    pending = []
+    for (members, dtype), pieces in sorted(
+        buckets.items(), key=lambda item: (-len(item[0][0]), item[0][0], str(item[0][1]))
+    ):
+        buffer = torch.empty(sum(p.shape().numel() for p in pieces), dtype=dtype, device=pieces[0].grad.device)
+        views, offset = [], 0
+        for piece in pieces:
+            numel = piece.shape().numel()
+            views.append(buffer[offset : offset + numel].view(piece.shape()))
+            piece.gather(views[-1], sign)
+            offset += numel
+        handle = None
+        if len(members) > 1:  # a single member already holds the sum
+            group = groups.group(members)
+            handle = comm.all_reduce(buffer, "sum", label=label, group=group, async_op=True, ledger=ledger)
+        pending.append((handle, pieces, views))
+    for handle, pieces, views in pending:
+        if handle is not None:
+            handle.wait()
+        for piece, view in zip(pieces, views, strict=True):
+            piece.scatter(view, sign)
+
+
+def _region_groups(
+    layout: TierLayout | RegionGroups, helpers: Mapping[int, HelperConfig] | None, label: str | None
+) -> RegionGroups:
+    if isinstance(layout, RegionGroups):
+        if helpers is not None and validate_helpers(layout.layout, helpers) != layout.helpers:
+            raise ValueError("helpers differ from those the RegionGroups were built with; pass helpers=None.")
+        return layout
+    if not isinstance(layout, TierLayout):
+        raise ValueError(f"layout must be a TierLayout or RegionGroups, got {type(layout).__name__}.")
+    return RegionGroups(layout, helpers=helpers, label=INTER if label is None else label, verify=False)
+
+
+def _plan(
+    grads: Mapping[str, torch.Tensor],
+    ffn_params: Sequence[FFNParameter],
+    groups: RegionGroups,
+    mode: str,
+    tier_weights: TierWeights | None,
+    step: int,
+) -> dict[tuple[tuple[int, ...], torch.dtype], list[_Piece]]:
+    """This rank's pieces per ``(member ranks, wire dtype)`` bucket, in an order every member shares."""
+    layout, helpers, rank = groups.layout, groups.helpers, groups.rank
+    for name, grad in grads.items():
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+            raise ValueError(
+                f"grads[{name!r}] must be a floating-point tensor, got {getattr(grad, 'dtype', type(grad).__name__)};"
+                " pass zeros for parameters without a gradient."
+            )
+    names = [param.name for param in ffn_params]
+    if len(set(names)) != len(names):
+        raise ValueError(f"ffn_params lists a parameter twice: {sorted({n for n in names if names.count(n) > 1})}.")
+    missing = sorted(set(names) - set(grads))
+    if missing:
+        raise ValueError(f"grads lacks FFN parameters {missing}; pass zeros for parameters without a gradient.")
+    weighted = tier_weights is not None
+    buckets: dict[tuple[tuple[int, ...], torch.dtype], list[_Piece]] = {}
+
+    def add(members: tuple[int, ...], piece: _Piece) -> None:
+        key = (members, wire_dtype(mode, piece.grad.dtype, weighted, len(members)))
+        buckets.setdefault(key, []).append(piece)
+
+    everyone = tuple(range(layout.world_size))
+    other_weights = rank_weights(layout, tier_weights)
+    for name in sorted(set(grads) - set(names)):
+        add(everyone, _Piece(grads[name], None, 0, 0, other_weights[rank], sum(other_weights)))
+    denominators: dict[int, torch.Tensor] = {}
+    for param in sorted(ffn_params, key=lambda p: (p.layer, p.name)):
+        grad, full = grads[param.name], layout.full_size_at(param.layer)
+        if param.full_size != full:
+            raise ValueError(
+                f"{param.name}: full_size {param.full_size} != the layout's {full} for layer {param.layer}."
+            )
+        if not 0 <= param.axis < grad.dim():
+            raise ValueError(
+                f"{param.name}: axis {param.axis} is out of range for a gradient of shape {tuple(grad.shape)}."
+            )
+        width = layout.width(rank, param.layer)
+        drawn = drawn_neurons(layout, rank, param.layer, helpers=helpers, step=step)
+        size = grad.shape[param.axis]
+        if size not in (width + drawn.numel(), full):
+            raise ValueError(
+                f"grads[{param.name!r}] has size {size} on axis {param.axis}; rank {rank} holds"
+                f" {width + drawn.numel()} neurons of layer {param.layer} (width {width} + {drawn.numel()} helper"
+                f" neurons): pass that local size or the full size {full}."
+            )
+        full_layout = size == full
+        weights = rank_weights(layout, tier_weights, param.layer)
+        for region in groups.regions(param.layer):
+            if rank not in region.members:
+                continue
+            if region.helpers:  # per-neuron contributor weights differ inside the region
+                if param.layer not in denominators:
+                    denominators[param.layer] = contributor_weights(
+                        layout, param.layer, tier_weights=tier_weights, helpers=helpers, step=step
+                    )
+                denominator: float | torch.Tensor = denominators[param.layer][region.start : region.stop]
+            else:
+                denominator = sum(weights[r] for r in region.ranks)
+            piece = _Piece(grad, param.axis, region.start, region.stop, weights[rank], denominator)
+            if rank in region.helpers:
+                inside = (drawn >= region.start) & (drawn < region.stop)
+                piece.region_positions = (drawn[inside] - region.start).to(grad.device)
+                local = drawn[inside] if full_layout else width + torch.nonzero(inside).flatten()
+                piece.grad_positions = local.to(grad.device)
+                piece.write_whole_slab = full_layout  # a full-size helper keeps its whole tail in sync
+            add(region.members, piece)
+    return buckets

@@ -1,0 +1,65 @@
+"""aggregate_gradients in one process (a world of one): results, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hetero.comm import ByteLedger
+from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.tiers import HelperConfig, widths_for
+from lightning_hetero.matformer.types import FFNParameter
+
+UP = FFNParameter("up", 0, 8, 0)
+
+
+def _grads() -> dict[str, torch.Tensor]:
+    return {"up": torch.tensor([[1.5], [-2.0], [0.0], [3.0], [0.0], [1.0], [-1.0], [2.0]]), "norm": torch.zeros(2)}
+
+
+def test_world_of_one_mean_is_identity_and_sign_keeps_zeros() -> None:
+    groups, ledger = RegionGroups(widths_for([0], 8)), ByteLedger()
+    grads = _grads()
+    aggregate_gradients(grads, [UP], groups, ledger=ledger)
+    assert torch.equal(grads["up"], _grads()["up"]) and ledger.totals().calls == 0  # nothing to exchange
+    aggregate_gradients(grads, [UP], groups, "sign", tier_weights={0: 3.0})
+    assert grads["up"].flatten().tolist() == [1, -1, 0, 1, 0, 1, -1, 1] and grads["norm"].tolist() == [0, 0]
+
+
+def test_bad_modes() -> None:
+    with pytest.raises(NotImplementedError, match="mode='demo'.*not available yet"):
+        aggregate_gradients(_grads(), [UP], widths_for([0], 8), "demo")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        aggregate_gradients(_grads(), [UP], widths_for([0], 8), "avg")
+
+
+@pytest.mark.parametrize(
+    ("grads", "ffn", "match"),
+    [
+        ({"norm": torch.zeros(2)}, [UP], r"grads lacks FFN parameters \['up'\]; pass zeros"),
+        ({"up": torch.zeros(8, 1, dtype=torch.int64)}, [UP], r"grads\['up'\] must be a floating-point tensor"),
+        ({"up": torch.zeros(6, 1)}, [UP], r"has size 6 on axis 0; rank 0 holds 8 neurons"),
+        ({"up": torch.zeros(8, 1)}, [UP, UP], "lists a parameter twice"),
+        ({"up": torch.zeros(8, 1)}, [FFNParameter("up", 0, 16, 0)], "full_size 16 != the layout's 8"),
+        ({"up": torch.zeros(8)}, [FFNParameter("up", 1, 8, 0)], "axis 1 is out of range"),
+    ],
+)
+def test_bad_gradients_are_named(grads: dict, ffn: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        aggregate_gradients(grads, ffn, widths_for([0], 8))
+
+
+def test_layout_and_helper_mismatches() -> None:
+    with pytest.raises(ValueError, match="layout describes 2 ranks but the world has 1"):
+        RegionGroups(widths_for([0, 1], 8))
+    with pytest.raises(ValueError, match="must be a TierLayout or RegionGroups"):
+        aggregate_gradients(_grads(), [UP], [0])  # type: ignore[arg-type]
+    # A helper in a world of one is meaningless but valid when its layout allows it; the check is on step.
+    groups = RegionGroups(widths_for([1], 8), helpers={0: HelperConfig(0.5)})
+    with pytest.raises(ValueError, match="needs step="):
+        aggregate_gradients({"up": torch.zeros(6, 1)}, [UP], groups)
+    with pytest.raises(ValueError, match="helpers differ"):
+        aggregate_gradients({"up": torch.zeros(6, 1)}, [UP], groups, helpers={0: HelperConfig(0.25)}, step=0)
+    grads = {"up": torch.ones(6, 1)}  # width 4 + 2 drawn tail neurons
+    aggregate_gradients(grads, [UP], groups, step=3)
+    assert grads["up"].flatten().tolist() == [1.0] * 6
