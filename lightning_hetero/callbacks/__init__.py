@@ -2,8 +2,12 @@
 
 from lightning_hetero.callbacks.comm_monitor import CommunicationMonitor
 from lightning_hetero.callbacks.eval_report import ValidationReport
+from lightning_hetero.callbacks.tiers import MatFormerSampler, TierEvaluation, TierExport
 
 __all__ = [
     "CommunicationMonitor",
+    "MatFormerSampler",
+    "TierEvaluation",
+    "TierExport",
     "ValidationReport",
 ]
