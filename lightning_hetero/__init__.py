@@ -1,7 +1,8 @@
 """lightning-hetero: Lightning/Fabric strategies for training over slow links and unequal hardware.
 
 Importing this package registers our strategy names (lowercase) in both the Trainer ``StrategyRegistry`` and
-Fabric's ``STRATEGY_REGISTRY``; see :mod:`lightning_hetero.strategies.registry`.
+Fabric's ``STRATEGY_REGISTRY``; see :mod:`lightning_hetero.strategies.registry`. The Trainer strategies are importable
+from here (``lightning_hetero.MatFormerStrategy``), the Fabric ones from :mod:`lightning_hetero.fabric`.
 """
 
 from lightning_hetero.strategies.registry import register_builtin_strategies
@@ -10,4 +11,6 @@ __version__ = "0.1.0"
 
 register_builtin_strategies()
 
-__all__ = ["__version__"]
+from lightning_hetero.matformer.strategy import MatFormerStrategy  # noqa: E402  (already imported by the registry)
+
+__all__ = ["MatFormerStrategy", "__version__"]

@@ -1,5 +1,92 @@
-"""Tiered MatFormer training (work in progress): nested FFN prefixes of one shared model per rank.
+"""Tiered MatFormer training: nested FFN prefixes of one shared model, one width per rank.
 
-Framework-free building blocks live here (FFN adapters, slicing and export, schema hashing, per-region gradient
-aggregation); the Trainer/Fabric ``MatFormerStrategy`` will build on them.
+Framework-free building blocks (FFN adapters, slicing and export, schema hashing, tier layouts and per-region gradient
+aggregation, checkpoint slicing) and the strategies built on them: :class:`MatFormerStrategy` for the Trainer and
+:class:`MatFormerFabricStrategy` (also ``lightning_hetero.fabric.MatFormerStrategy``) for Fabric. See
+``docs/matformer.md`` and ``docs/matformer_aggregation.md``.
 """
+
+from lightning_hetero.matformer.adapters import (
+    FFNAdapter,
+    FFNBlock,
+    Projection,
+    UnsupportedModelError,
+    config_intermediate_size,
+    ffn_parameters,
+    find_ffns,
+    register_adapter,
+    registered_adapters,
+    unregister_adapter,
+)
+from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
+from lightning_hetero.matformer.export import export_tier
+from lightning_hetero.matformer.fabric import MatFormerStrategy as MatFormerFabricStrategy
+from lightning_hetero.matformer.runtime import MatFormerRuntime
+from lightning_hetero.matformer.schema import SchemaMismatchError, canonical_schema, compare_schemas, schema_hash
+from lightning_hetero.matformer.slicing import (
+    embed_prefix,
+    mask_suffix_gradients,
+    pad_prefix,
+    prefix_state_dict,
+    scatter_prefix_into_full,
+    slice_model,
+    tier_view,
+)
+from lightning_hetero.matformer.strategy import MatFormerStrategy
+from lightning_hetero.matformer.tiers import (
+    HelperConfig,
+    Region,
+    TierLayout,
+    bytes_per_step,
+    contributor_counts,
+    helper_neurons,
+    regions,
+    trained_neurons,
+    widths_for,
+)
+from lightning_hetero.matformer.types import FFNParameter, tier_width
+
+__all__ = [
+    "FFNAdapter",
+    "FFNBlock",
+    "FFNParameter",
+    "HelperConfig",
+    "MatFormerFabricStrategy",
+    "MatFormerRuntime",
+    "MatFormerStrategy",
+    "Projection",
+    "Region",
+    "RegionGroups",
+    "SchemaMismatchError",
+    "TierLayout",
+    "UnsupportedModelError",
+    "aggregate_gradients",
+    "bytes_per_step",
+    "canonical_schema",
+    "compare_schemas",
+    "config_intermediate_size",
+    "contributor_counts",
+    "embed_prefix",
+    "export_tier",
+    "ffn_parameters",
+    "find_ffns",
+    "grow_to_full",
+    "helper_neurons",
+    "mask_suffix_gradients",
+    "pad_prefix",
+    "prefix_state_dict",
+    "register_adapter",
+    "registered_adapters",
+    "regions",
+    "scatter_prefix_into_full",
+    "schema_hash",
+    "slice_model",
+    "slice_model_state",
+    "slice_optimizer_state",
+    "tier_view",
+    "tier_width",
+    "trained_neurons",
+    "unregister_adapter",
+    "widths_for",
+]

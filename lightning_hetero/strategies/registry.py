@@ -36,6 +36,24 @@ class StrategySpec:
 #: Strategies shipped by this package. Each strategy appends its own spec(s) when it lands.
 BUILTIN_STRATEGIES: list[StrategySpec] = []
 
+BUILTIN_STRATEGIES.extend(
+    [
+        StrategySpec(
+            "matformer",
+            "lightning_hetero.matformer.strategy:MatFormerStrategy",
+            "lightning_hetero.matformer.fabric:MatFormerStrategy",
+            description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
+        ),
+        StrategySpec(
+            "matformer_spawn",
+            "lightning_hetero.matformer.strategy:MatFormerStrategy",
+            "lightning_hetero.matformer.fabric:MatFormerStrategy",
+            description="Tiered MatFormer DDP with start_method='spawn'",
+            init_params={"start_method": "spawn"},
+        ),
+    ]
+)
+
 
 def _import_class(path: str) -> type:
     module_name, _, class_name = path.partition(":")

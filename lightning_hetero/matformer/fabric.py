@@ -1,0 +1,259 @@
+"""``MatFormerStrategy`` for Fabric: tiered MatFormer data parallelism in your own training loop.
+
+The work is done by :class:`~lightning_hetero.matformer.runtime.MatFormerRuntime`, shared with the Trainer strategy;
+this module decides when it runs. Usage::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=MatFormerStrategy(tiers=[0, 1]))
+    fabric.launch()
+    model = fabric.setup_module(model)  # rank 0's weights everywhere, then this rank's FFNs cut to its tier
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    for batch in loader:
+        fabric.backward(model(**batch).loss)  # backward, then the per-region gradient sync
+        optimizer.step()
+        optimizer.zero_grad()
+
+``fabric.no_backward_sync(model)`` skips the sync for accumulation micro-batches. ``fabric.setup(model, optimizer)``
+works too: the optimizer, which must not hold state yet, is re-pointed at the sliced parameters.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
+from lightning_hetero.matformer.tiers import TierLayout
+
+__all__ = ["MatFormerStrategy"]
+
+
+class _SyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: skip the per-region sync of the ``fabric.backward`` calls inside."""
+
+    def __init__(self, strategy: MatFormerStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy._blocked() if enabled else nullcontext()
+
+
+class _SlicingOptimizerLoader:
+    """Stands in for an optimizer in ``Strategy.load_checkpoint``: slices rank 0's state before loading it."""
+
+    def __init__(self, strategy: MatFormerStrategy, optimizer: Optimizer) -> None:
+        self._strategy, self._optimizer = strategy, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(self._strategy._slice_optimizer_state(state, self._optimizer))
+
+
+class MatFormerStrategy(DDPStrategy):
+    """Fabric strategy for tiered MatFormer data parallelism: each rank trains its own FFN prefix of one model.
+
+    No DDP wrapper: ranks hold different shapes. ``fabric.backward(loss)`` runs the per-region gradient sync right
+    after backward (skipped inside ``fabric.no_backward_sync``); :meth:`sync_gradients` does it by hand.
+    ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips every rank with the full model's norm.
+    Checkpoints (``fabric.save``) hold rank 0's full model and optimizer; ``fabric.load`` slices them for each rank.
+
+    Args:
+        tiers: One entry per global rank, or per node; an entry is a tier ``t`` (FFN width ``h >> t``) or a list
+            with one tier per FFN. Global rank 0 must be tier 0. Default: every rank tier 0.
+        widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``.
+        mode: ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        tier_weights: One weight per tier (index = tier); None weighs ranks equally.
+        helper_fraction: Rotating tail neurons a tier > 0 rank also trains, relative to its width (0: off). Needs
+            ``slice_weights=False``.
+        helper_redraw_every: Optimizer steps (gradient syncs) between helper re-draws.
+        helper_seed: Seed of the helper draws.
+        slice_weights: True: a tier-``t`` rank holds only its prefixes. False: full weights and a neuron mask.
+        accelerator: Set by Fabric.
+        parallel_devices: Set by Fabric.
+        cluster_environment: Set by Fabric.
+        checkpoint_io: Set by Fabric.
+        precision: Set by Fabric.
+        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
+        timeout: Process group timeout.
+        start_method: ``"popen"`` (scripts) or ``"spawn"`` (``fabric.launch(fn)`` in notebooks and tests).
+    """
+
+    strategy_name = "matformer"
+
+    def __init__(
+        self,
+        tiers: list[int | list[int]] | None = None,
+        widths: list[int | list[int]] | None = None,
+        mode: str = "mean",
+        tier_weights: list[float] | None = None,
+        helper_fraction: float = 0.0,
+        helper_redraw_every: int = 16,
+        helper_seed: int = 0,
+        slice_weights: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.runtime = MatFormerRuntime(
+            tiers, widths, mode, tier_weights, helper_fraction, helper_redraw_every, helper_seed, slice_weights
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _SyncControl(self)
+        self._module: nn.Module | None = None
+        self._sync_blocked = False
+        self.step = 0
+        """Optimizer steps so far (one per gradient sync); selects the helper draw."""
+
+    @property
+    def tier(self) -> int | None:
+        """This rank's tier (None for per-layer or non power-of-two widths)."""
+        return self.runtime.tier_of(self.global_rank)
+
+    @property
+    def layout(self) -> TierLayout | None:
+        """Every rank's width in every FFN (after ``setup_module``)."""
+        return self.runtime.layout
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_nodes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self._module is not None:
+            raise RuntimeError("MatFormerStrategy trains one model per Fabric; setup_module was already called.")
+        self.runtime.setup(module, self.root_device, self._current_step)
+        scaler = getattr(self.precision, "scaler", None)
+        if self.runtime.heterogeneous and isinstance(self.precision, MixedPrecision) and scaler is not None:
+            raise ValueError(
+                "MatFormerStrategy with mixed tiers cannot use precision='16-mixed': each rank's GradScaler would skip "
+                "steps on its own gradients and the shared weights would drift apart. Use 'bf16-mixed' or '32-true'."
+            )
+        self._module = module
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        before = dict(module.named_parameters())
+        module = self.setup_module(module)
+        replaced = {id(before[name]): param for name, param in module.named_parameters() if before[name] is not param}
+        for optimizer in optimizers:
+            if replaced and optimizer.state:
+                raise RuntimeError(
+                    "MatFormerStrategy(slice_weights=True) replaced the FFN parameters, but the optimizer already "
+                    "holds state for the old ones. Call fabric.setup_module(model) first, then build the optimizer."
+                )
+            for group in optimizer.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        return module, optimizers, scheduler
+
+    def _current_step(self) -> int:
+        return self.step
+
+    @contextmanager
+    def _blocked(self) -> Any:
+        previous, self._sync_blocked = self._sync_blocked, True
+        try:
+            yield
+        finally:
+            self._sync_blocked = previous
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        if not self._sync_blocked:
+            self.sync_gradients()
+
+    def sync_gradients(self, step: int | None = None) -> None:
+        """Aggregate the gradients per region now (collective); ``step`` overrides the helper-draw step."""
+        if self._module is None:
+            raise RuntimeError("MatFormerStrategy.sync_gradients() needs fabric.setup_module(model) first.")
+        if step is not None:
+            self.step = step
+        self.runtime.sync_gradients(self._module, self.step)
+        self.step += 1
+
+    def gather_full_model(self) -> None:
+        """Give every rank rank 0's full model (collective), e.g. before evaluating the full model everywhere."""
+        if self._module is not None:
+            self.runtime.restore_full(self._module)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return self.runtime.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if module is self._module:
+            state_dict = dict(self.runtime.slice_model_state(state_dict))
+        super().load_module_state_dict(module, state_dict, strict)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if isinstance(state, Optimizer):
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            state.load_state_dict(self._slice_optimizer_state(checkpoint, state))
+            return {}
+        if not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict, weights_only)
+        proxied = {k: _SlicingOptimizerLoader(self, v) if isinstance(v, Optimizer) else v for k, v in state.items()}
+        remainder = super().load_checkpoint(path, proxied, strict, weights_only)
+        for key, value in proxied.items():  # the base class replaces plain values in the dict it was given
+            if not isinstance(value, _SlicingOptimizerLoader):
+                state[key] = value
+        return remainder
+
+    def _slice_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> Any:
+        assert self._module is not None, "set up the module before loading optimizer state"
+        return self.runtime.slice_optimizer_state(state, optimizer, self._module)

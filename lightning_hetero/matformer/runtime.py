@@ -1,0 +1,442 @@
+"""The loop-independent core of tiered MatFormer training, shared by the Trainer and Fabric strategies.
+
+:class:`MatFormerRuntime` calls no Lightning API. It holds the knobs and their validation, the per-node tier
+expansion, the collective setup (schema check, broadcast of rank 0's initial weights, one process group per region rank
+set, slicing or masking), the per-region gradient sync, tier-consistent norm clipping, checkpoint slicing and the
+return to one full model after training. :mod:`lightning_hetero.matformer.strategy` (Trainer) and
+:mod:`lightning_hetero.matformer.fabric` (Fabric) only decide *when* each piece runs.
+
+Every collective goes through :mod:`lightning_hetero.comm` with the label ``"inter"``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from transformers import PreTrainedModel
+
+from lightning_hetero import comm
+from lightning_hetero.comm import INTER
+from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
+from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
+from lightning_hetero.matformer.schema import canonical_schema, compare_schemas
+from lightning_hetero.matformer.slicing import slice_model
+from lightning_hetero.matformer.tiers import (
+    HelperConfig,
+    TierLayout,
+    check_mode,
+    rank_weights,
+    trained_neurons,
+    validate_helpers,
+    widths_for,
+)
+from lightning_hetero.matformer.types import FFNParameter
+
+__all__ = ["MatFormerRuntime", "TierEntry", "destroy_process_group_at_exit"]
+
+TierEntry = int | list[int]
+"""One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
+
+
+class MatFormerRuntime:
+    """The loop-independent part of tiered MatFormer training, shared by the Trainer and Fabric strategies.
+
+    Args:
+        tiers: One entry per global rank, or per node (every rank of node ``k`` gets ``tiers[k]``). An entry is a
+            tier ``t`` (width ``h >> t``) or a list with one tier per FFN. Global rank 0 must be tier 0. ``None``
+            (and no ``widths``): every rank trains tier 0, which is plain data parallelism.
+        widths: Like ``tiers`` but in FFN units (``[1, h]``); exclusive with ``tiers``.
+        mode: Aggregation, ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
+        helper_fraction: Tail neurons a tier > 0 rank also trains, relative to its width (0 turns helpers off).
+            Needs ``slice_weights=False``.
+        helper_redraw_every: Optimizer steps between helper re-draws.
+        helper_seed: Seed of the helper draws.
+        slice_weights: True: a tier-``t`` rank physically holds only its FFN prefixes (memory savings). False: it
+            keeps full weights and trains its neurons through a 0/1 mask on the FFN hidden activations.
+        owner: Class name used in error messages.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierEntry] | None = None,
+        widths: Sequence[TierEntry] | None = None,
+        mode: str = "mean",
+        tier_weights: Sequence[float] | None = None,
+        helper_fraction: float = 0.0,
+        helper_redraw_every: int = 16,
+        helper_seed: int = 0,
+        slice_weights: bool = True,
+        owner: str = "MatFormerStrategy",
+    ) -> None:
+        self.owner = owner
+        if tiers is not None and widths is not None:
+            raise ValueError(f"{owner}: pass tiers=[...] or widths=[...], not both.")
+        self.unit: Literal["tier", "width"] = "width" if widths is not None else "tier"
+        given = tiers if tiers is not None else widths
+        self.entries = None if given is None else _check_entries(owner, self.unit, given)
+        if self.unit == "tier" and self.entries is not None and any(_as_list(self.entries[0])):
+            raise ValueError(
+                f"{owner}(tiers={list(self.entries)}): global rank 0 must be tier 0, because it holds the full model "
+                "that is checkpointed and exported. Put a tier-0 rank (or node) first, e.g. tiers=[0, 1, 2]."
+            )
+        try:
+            self.mode = check_mode(mode)
+        except ValueError as error:
+            raise ValueError(f"{owner}(mode={mode!r}): {error}") from None
+        self.tier_weights = None if tier_weights is None else _check_weights(owner, tier_weights, self)
+        if not (isinstance(helper_fraction, (int, float)) and math.isfinite(helper_fraction) and helper_fraction >= 0):
+            raise ValueError(f"{owner}(helper_fraction={helper_fraction!r}): use a number >= 0 (0 turns helpers off).")
+        if helper_fraction > 0 and slice_weights:
+            raise ValueError(
+                f"{owner}(helper_fraction={helper_fraction}, slice_weights=True): a helper trains tail neurons beyond "
+                "its prefix, so it must keep the full weights; set slice_weights=False (or helper_fraction=0)."
+            )
+        if isinstance(helper_redraw_every, bool) or not isinstance(helper_redraw_every, int) or helper_redraw_every < 1:
+            raise ValueError(f"{owner}(helper_redraw_every={helper_redraw_every!r}): use an int >= 1.")
+        if isinstance(helper_seed, bool) or not isinstance(helper_seed, int):
+            raise ValueError(f"{owner}(helper_seed={helper_seed!r}): use an int.")
+        self.helper_fraction = float(helper_fraction)
+        self.helper_redraw_every = helper_redraw_every
+        self.helper_seed = helper_seed
+        self.slice_weights = bool(slice_weights)
+        self.per_rank: list[TierEntry] | None = None
+        """Every global rank's entry, once :meth:`resolve_world` ran."""
+        self.layout: TierLayout | None = None
+        """Every rank's width in every FFN, once :meth:`setup` ran."""
+        self.blocks: list[FFNBlock] = []
+        self.ffn_params: list[FFNParameter] = []
+        self.helpers: dict[int, HelperConfig] = {}
+        self.groups: RegionGroups | None = None
+        self.local_widths: list[int] = []
+        self.rank, self.world_size = 0, 1
+        self.sliced = False
+        self.step_fn: Callable[[], int] = _step_zero
+        self._mask_handles: list[RemovableHandle] = []
+        self._masks: dict[tuple[int, bool, int], Tensor] = {}
+
+    # ------------------------------------------------------------------------------------------------ world
+    def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
+        """Expand the entries to one per global rank (per-node lists: node ``k`` holds ranks ``[kP, (k+1)P)``)."""
+        name = "tiers" if self.unit == "tier" else "widths"
+        if self.entries is None:
+            self.per_rank = [0] * world_size
+        elif len(self.entries) == world_size:
+            self.per_rank = list(self.entries)
+        elif num_nodes >= 1 and len(self.entries) == num_nodes and world_size % num_nodes == 0:
+            per_node = world_size // num_nodes
+            self.per_rank = [entry for entry in self.entries for _ in range(per_node)]
+        else:
+            raise ValueError(
+                f"{self.owner}({name}={list(self.entries)}): {len(self.entries)} entries, but the run has "
+                f"{world_size} ranks ({num_nodes} node(s) x {world_size // max(num_nodes, 1)} devices). Give one entry "
+                f"per global rank ({world_size}) or one per node ({num_nodes})."
+            )
+        return self.per_rank
+
+    def tier_of(self, rank: int) -> int | None:
+        """``rank``'s tier when it is one tier for every FFN, else (per-layer or non power-of-two widths) None."""
+        if self.layout is not None:
+            tiers = {self.layout.tier(rank, column) for column in self.layout.columns()}
+            return tiers.pop() if len(tiers) == 1 else None
+        if self.per_rank is None or self.unit != "tier" or rank >= len(self.per_rank):
+            return None
+        values = set(_as_list(self.per_rank[rank]))
+        return values.pop() if len(values) == 1 else None
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Whether ranks hold different coordinates (different widths, or helpers)."""
+        return self.layout is not None and (len(set(self.layout.widths)) > 1 or bool(self.helpers))
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self, module: nn.Module, device: torch.device, step_fn: Callable[[], int]) -> None:
+        """Collective setup on every rank, before optimizers exist; raises on every rank before training.
+
+        Checks that every rank can run (FFNs found, full width) and holds the same model (canonical schema), copies
+        rank 0's parameters and buffers everywhere, builds the layout and the region groups, then slices this rank's
+        FFNs (``slice_weights=True``) or installs its neuron masks.
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        self.step_fn = step_fn
+        if self.per_rank is None or len(self.per_rank) != self.world_size:
+            self.resolve_world(self.world_size)
+        local_error: Exception | None = None
+        payload: dict[str, Any] = {"error": None, "schema": None}
+        try:
+            blocks = find_ffns(module)
+            sliced = [b.path for b in blocks if b.width != b.full_size]
+            if sliced:
+                raise ValueError(
+                    f"{self.owner} needs the full-width model at setup, but FFNs {sliced[:3]} are already sliced. "
+                    "Pass a freshly built (or full-checkpoint) module."
+                )
+            payload["schema"] = _module_schema(module)
+        except Exception as error:  # reported to every rank first, so that no rank waits for this one in a collective
+            local_error, payload["error"] = error, f"{type(error).__name__}: {error}"
+        gathered = _all_gather_json(payload, self.world_size, device)
+        if local_error is not None:
+            raise local_error
+        failed = {rank: entry["error"] for rank, entry in enumerate(gathered) if entry["error"]}
+        if failed:
+            raise RuntimeError(f"{self.owner} setup failed on rank(s) {sorted(failed)}: {failed}")
+        compare_schemas({rank: entry["schema"] for rank, entry in enumerate(gathered)})
+        if self.world_size > 1:
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    comm.broadcast(tensor.data, 0, label=INTER)
+        self.blocks, self.ffn_params = blocks, [p for b in blocks for p in b.parameters]
+        self.layout = self._build_layout(blocks)
+        self.helpers = self._build_helpers(self.layout)
+        self.groups = RegionGroups(self.layout, helpers=self.helpers, label=INTER)
+        self.local_widths = [self.layout.width(self.rank, b.layer) for b in blocks]
+        if self.slice_weights:
+            if any(w != b.full_size for w, b in zip(self.local_widths, blocks, strict=True)):
+                slice_model(module, widths=self.local_widths)
+                self.sliced = True
+        else:
+            self._install_masks(module)
+
+    def _build_layout(self, blocks: Sequence[FFNBlock]) -> TierLayout:
+        name = "tiers" if self.unit == "tier" else "widths"
+        assert self.per_rank is not None
+        sizes = [b.full_size for b in blocks]
+        per_layer = any(not isinstance(entry, int) for entry in self.per_rank)
+        uniform = len(set(sizes)) == 1 and not per_layer
+        try:
+            layout = widths_for(
+                self.per_rank,
+                sizes[0] if uniform else sizes,
+                num_layers=None if uniform else len(blocks),
+                unit=self.unit,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"{self.owner}({name}={self.per_rank}) does not fit the model's {len(blocks)} FFNs of sizes "
+                f"{sorted(set(sizes))} (a per-layer entry needs one value per FFN): {error}"
+            ) from None
+        if layout.widths[0] != layout.full_sizes:
+            raise ValueError(
+                f"{self.owner}({name}={self.per_rank}): global rank 0 must train the full width of every FFN "
+                f"(sizes {list(layout.full_sizes)}), because it holds the model that is checkpointed and exported."
+            )
+        if self.tier_weights is not None:
+            try:
+                for layer in [None, *layout.columns()]:
+                    rank_weights(layout, self.tier_weights, layer)
+            except ValueError as error:
+                raise ValueError(f"{self.owner}(tier_weights={list(self.tier_weights)}): {error}") from None
+        return layout
+
+    def _build_helpers(self, layout: TierLayout) -> dict[int, HelperConfig]:
+        if self.helper_fraction == 0:
+            return {}
+        config = HelperConfig(self.helper_fraction, self.helper_seed, self.helper_redraw_every)
+        candidates = {rank: config for rank in range(layout.world_size) if layout.widths[rank] != layout.full_sizes}
+        try:
+            return validate_helpers(layout, candidates)
+        except ValueError as error:
+            raise ValueError(f"{self.owner}(helper_fraction={self.helper_fraction}): {error}") from None
+
+    # ------------------------------------------------------------------------------------------------ masks
+    def _install_masks(self, module: nn.Module) -> None:
+        for block in self.blocks:
+            if self.local_widths[block.layer] == block.full_size:
+                continue  # a full-width FFN trains every neuron (helpers only exist below full width)
+            output = next(p for p in block.projections if p.role == "output")
+            hook = partial(self._mask_input, block.layer)
+            self._mask_handles.append(module.get_submodule(output.path).register_forward_pre_hook(hook))
+
+    def _mask_input(self, layer: int, projection: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Forward pre-hook of an FFN output projection: zero the hidden units this rank does not train.
+
+        The product zeroes both their contribution and every gradient through them. Training forwards use the
+        prefix plus this step's helper draw; evaluation forwards use the prefix only (the tier's own model).
+        """
+        hidden = args[0]
+        training = projection.training
+        step = self.step_fn() if training and self.helpers else 0
+        key = (layer, training, step // self.helper_redraw_every)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.layout is not None
+            trained = trained_neurons(
+                self.layout, self.rank, layer, helpers=self.helpers if training else None, step=step
+            )
+            mask = torch.zeros(self.layout.full_size_at(layer), device=hidden.device)
+            mask[trained.to(hidden.device)] = 1.0
+            self._masks = {k: v for k, v in self._masks.items() if k[1:] == key[1:]}  # keep only this window
+            self._masks[key] = mask
+        return (hidden * mask.to(hidden.dtype), *args[1:])
+
+    def remove_masks(self) -> None:
+        """Remove the neuron-mask hooks (the module then runs at full width)."""
+        for handle in self._mask_handles:
+            handle.remove()
+        self._mask_handles, self._masks = [], {}
+
+    # ------------------------------------------------------------------------------------------------ training
+    def sync_gradients(self, module: nn.Module, step: int) -> None:
+        """Replace this rank's gradients by their per-region aggregate (collective; every rank, same order).
+
+        Trainable parameters without a gradient get zeros, so that every rank sends the same tensors and applies
+        the same update to shared parameters.
+        """
+        if self.groups is None:
+            raise RuntimeError(f"{self.owner}: sync_gradients() before setup; set up the module first.")
+        grads = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads[name] = param.grad
+        aggregate_gradients(grads, self.ffn_params, self.groups, self.mode, self.tier_weights, step=step)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """``clip_grad_norm_`` with one coefficient on every rank: the norm of the full model's gradient.
+
+        Tier ranks hold different coordinates, so local norms differ and local clipping would let the shared weights
+        drift apart. Rank 0 (tier 0) holds every coordinate with the aggregated values; its norm is broadcast.
+        """
+        params = [p for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite)
+        if self.heterogeneous and self.world_size > 1:
+            comm.broadcast(norm, 0, label=INTER)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def restore_full(self, module: nn.Module) -> None:
+        """Give every rank rank 0's full model (collective): grow sliced FFNs and broadcast their weights.
+
+        Also refreshes the unused tails of masked tier ranks and removes the masks, so that evaluation after
+        training sees one full model everywhere, as with DDP. Training cannot go on afterwards with the same
+        optimizer (sliced parameters were replaced); it is meant for the end of training.
+        """
+        self.remove_masks()
+        if self.world_size > 1 and self.heterogeneous:
+            if self.sliced:
+                grow_to_full(module, self.blocks)
+                self.sliced = False
+            params = dict(module.named_parameters())
+            with torch.no_grad():
+                for spec in self.ffn_params:
+                    comm.broadcast(params[spec.name].data, 0, label=INTER)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def slice_model_state(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """A full model state dict cut to this rank's widths (unchanged when this rank is not sliced)."""
+        return slice_model_state(state, self.ffn_params, self.local_widths) if self.sliced else state
+
+    def slice_optimizer_state(self, state: Mapping[str, Any], optimizer: Optimizer, module: nn.Module) -> Any:
+        """Rank 0's optimizer state cut to this rank's sliced parameters (unchanged when this rank is not sliced)."""
+        return slice_optimizer_state(state, optimizer, module, self.ffn_params) if self.sliced else state
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+_CLEANUP_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, in every process, whatever the backend.
+
+    Lightning registers this only for NCCL. Under gloo, a process that exits with its group alive can abort
+    (``terminate called without an active exception``, SIGABRT): gloo's worker threads may still hold finished works
+    whose tensors are released during interpreter finalization. Seen in about 1 of 10 spawned fits here.
+    """
+    global _CLEANUP_REGISTERED
+    if not _CLEANUP_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _CLEANUP_REGISTERED = True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _step_zero() -> int:
+    return 0
+
+
+def _as_list(entry: Any) -> list[Any]:
+    return [entry] if isinstance(entry, int) else list(entry)
+
+
+def _check_entries(owner: str, unit: str, entries: Any) -> list[TierEntry]:
+    name, low = ("tiers", 0) if unit == "tier" else ("widths", 1)
+    if isinstance(entries, (int, str)) or not isinstance(entries, Sequence) or not entries:
+        raise ValueError(f"{owner}({name}={entries!r}): give a non-empty list, one entry per rank or per node.")
+    out: list[TierEntry] = []
+    for index, entry in enumerate(entries):
+        values = [entry] if not isinstance(entry, Sequence) or isinstance(entry, str) else list(entry)
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+            raise ValueError(
+                f"{owner}({name}={list(entries)}): entry {index} ({entry!r}) must be an int >= {low} or a non-empty "
+                f"list of such ints (one per FFN)."
+            )
+        out.append(values[0] if isinstance(entry, int) else values)
+    return out
+
+
+def _check_weights(owner: str, weights: Any, runtime: MatFormerRuntime) -> list[float]:
+    if isinstance(weights, (str, Mapping)) or not isinstance(weights, Sequence) or not weights:
+        raise ValueError(f"{owner}(tier_weights={weights!r}): give a list with one weight per tier (index = tier).")
+    values = []
+    for tier, weight in enumerate(weights):
+        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not (number and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{owner}(tier_weights={list(weights)}): weight {tier} must be finite and > 0.")
+        values.append(float(weight))
+    if runtime.unit == "tier" and runtime.entries is not None:
+        highest = max(max(_as_list(entry)) for entry in runtime.entries)
+        if highest >= len(values):
+            raise ValueError(
+                f"{owner}(tier_weights={values}): {len(values)} weight(s) for tiers 0..{len(values) - 1}, but tiers "
+                f"uses tier {highest}; give one weight per tier 0..{highest}."
+            )
+    return values
+
+
+def _module_schema(module: nn.Module) -> dict[str, Any]:
+    """The canonical tier-0 schema of the HF model(s) in ``module``, or its parameter shapes if it holds none."""
+    outermost: list[tuple[str, PreTrainedModel]] = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(path.startswith(p + ".") for p, _ in outermost):
+            outermost.append((path, sub))
+    if len(outermost) == 1:
+        return canonical_schema(outermost[0][1].config)
+    if outermost:
+        return {path or "<root>": canonical_schema(model.config) for path, model in outermost}
+    return {"parameters": {name: list(p.shape) for name, p in module.named_parameters()}}
+
+
+def _all_gather_json(payload: Any, world_size: int, device: torch.device) -> list[Any]:
+    """Every rank's JSON-serializable ``payload``, through the counted collectives (lengths, then padded bytes)."""
+    data = torch.tensor(list(json.dumps(payload, sort_keys=True, default=str).encode()), dtype=torch.uint8)
+    if world_size == 1:
+        return [json.loads(bytes(data.tolist()).decode())]
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(lengths, length, label=INTER)
+    size = int(lengths.max())
+    padded = torch.zeros(size, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    everything = torch.empty(world_size * size, dtype=torch.uint8, device=device)
+    comm.all_gather_into_tensor(everything, padded, label=INTER)
+    rows = everything.view(world_size, size).cpu()
+    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world_size)]

@@ -1,0 +1,247 @@
+"""``MatFormerStrategy`` for the Lightning Trainer: tiered MatFormer data parallelism (Psyche-style heterogeneity).
+
+Every rank trains the same model at its own FFN width: a tier-``t`` rank trains the first ``h >> t`` hidden units of
+every FFN (or one width per FFN, Mix'n'Match). Gradients are averaged (or voted) per nested region among exactly the
+ranks that hold it (:mod:`lightning_hetero.matformer.aggregate`), so a small rank moves only the bytes of what it
+holds. With ``slice_weights=True`` a small rank physically holds only its prefixes.
+
+How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP wrapper because shapes differ):
+
+- ``_configure_launcher`` (in ``Trainer(...)``): the tier list is checked against the world size and expanded.
+- ``configure_ddp`` (in ``setup``, after ``configure_model`` and before the optimizers exist): schema check, rank 0's
+  weights broadcast to every rank, region process groups, then slicing (or masks).
+- ``post_backward`` (inside the optimizer closure, before clipping and ``optimizer.step``): the per-region sync,
+  skipped for the non-final micro-batches of gradient accumulation (``block_backward_sync``).
+- ``load_model_state_dict`` / ``load_optimizer_state_dict``: rank 0's full checkpoint is cut to each rank's shapes.
+- ``on_train_end``: every rank gets rank 0's full model back, so ``validate``/``test`` afterwards work as with DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero import comm
+from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
+from lightning_hetero.matformer.tiers import TierLayout
+
+__all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
+
+TIER_LOSS_LABEL = "metrics"
+"""Ledger label of the per-tier loss all-reduce (``log_tier_losses=True``), kept apart from the gradient bytes."""
+
+
+class MatFormerStrategy(DDPStrategy):
+    """Tiered MatFormer DDP for the Trainer: each rank trains its own FFN prefix of one shared model.
+
+    Works on any LightningModule whose FFNs the adapter registry finds (an HF model anywhere in the module tree, built
+    in ``__init__`` or in ``configure_model``). Global rank 0 must be tier 0: it holds the full model, which is what
+    checkpoints and exports contain.
+
+    Args:
+        tiers: One entry per global rank (``[0, 0, 1, 2]``) or per node (every rank of node ``k`` gets ``tiers[k]``);
+            an entry is a tier ``t`` (FFN width ``h >> t``) or a list with one tier per FFN (Mix'n'Match). Default:
+            every rank tier 0 (plain data parallelism).
+        widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``. Rank 0 must be full width.
+        mode: ``"mean"`` (per-region mean; all tier 0 equals DDP) or ``"sign"`` (per-region majority vote).
+            ``"demo"`` is not available yet.
+        tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
+        helper_fraction: A tier > 0 rank also trains ``floor(width * fraction)`` rotating tail neurons per FFN
+            (0: off). Needs ``slice_weights=False``.
+        helper_redraw_every: Optimizer steps between helper re-draws.
+        helper_seed: Seed of the helper draws.
+        slice_weights: True: a tier-``t`` rank holds only its prefixes (real memory savings). False: full weights,
+            trained through a 0/1 mask on the FFN hidden activations (needed for helpers).
+        log_tier_losses: Also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks), at the cost of
+            one small all-reduce per training step (ledger label ``"metrics"``).
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer.
+        cluster_environment: Set by the Trainer.
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer.
+        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
+        timeout: Process group timeout.
+        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+    """
+
+    strategy_name = "matformer"
+
+    def __init__(
+        self,
+        tiers: list[int | list[int]] | None = None,
+        widths: list[int | list[int]] | None = None,
+        mode: str = "mean",
+        tier_weights: list[float] | None = None,
+        helper_fraction: float = 0.0,
+        helper_redraw_every: int = 16,
+        helper_seed: int = 0,
+        slice_weights: bool = True,
+        log_tier_losses: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.runtime = MatFormerRuntime(
+            tiers, widths, mode, tier_weights, helper_fraction, helper_redraw_every, helper_seed, slice_weights
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.log_tier_losses = bool(log_tier_losses)
+        self._sync_blocked = False
+        self._clipping_patched = False
+
+    # ------------------------------------------------------------------------------------------------ public
+    @property
+    def tier(self) -> int | None:
+        """This rank's tier (None for per-layer or non power-of-two widths); known from ``Trainer(...)`` on."""
+        return self.runtime.tier_of(self.global_rank)
+
+    @property
+    def tiers(self) -> list[int | list[int]] | None:
+        """Every global rank's entry (tier or width, per-node lists expanded), once the world size is known."""
+        return self.runtime.per_rank
+
+    @property
+    def layout(self) -> TierLayout | None:
+        """Every rank's width in every FFN (from ``setup`` on)."""
+        return self.runtime.layout
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def _configure_launcher(self) -> None:
+        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_nodes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def configure_ddp(self) -> None:
+        """Set up tiers instead of wrapping in DDP: runs before ``setup_optimizers``, so optimizers see the slices."""
+        module = self.lightning_module
+        assert module is not None
+        self.runtime.setup(module, self.root_device, self._global_step)
+        if self.runtime.heterogeneous:
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if isinstance(self.precision_plugin, MixedPrecision) and scaler is not None:
+                raise ValueError(
+                    "MatFormerStrategy with mixed tiers cannot use precision='16-mixed': each rank's GradScaler would "
+                    "skip steps on its own gradients and the shared weights would drift apart. Use 'bf16-mixed' or "
+                    "'32-true'."
+                )
+            # Ranks hold different coordinates, so a local norm differs per rank; clip with the full model's norm.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self._clipping_patched = True
+
+    def _global_step(self) -> int:
+        module = self.lightning_module
+        return module.trainer.global_step if module is not None and module._trainer is not None else 0
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+    # ------------------------------------------------------------------------------------------------ training
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        previous, self._sync_blocked = self._sync_blocked, True
+        try:
+            yield None
+        finally:
+            self._sync_blocked = previous
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        module = self.lightning_module
+        if self._sync_blocked or module is None:
+            return
+        self.runtime.sync_gradients(module, self._global_step())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.log_tier_losses:
+            self._log_tier_losses(output)
+        return output
+
+    def _log_tier_losses(self, output: Any) -> None:
+        """Log ``train/loss_tier{t}``: the mean loss of each tier's ranks, from one all-reduce (every rank joins)."""
+        runtime, module = self.runtime, self.lightning_module
+        assert module is not None and runtime.per_rank is not None
+        keys = [_tier_key(runtime.tier_of(rank), rank) for rank in range(len(runtime.per_rank))]
+        names = [f"{kind}{number}" for kind, number in sorted(set(keys), key=lambda k: (k[0] == "rank", k[1]))]
+        keys = [f"{kind}{number}" for kind, number in keys]
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        totals = torch.zeros(2 * len(names), dtype=torch.float64, device=self.root_device)
+        if isinstance(loss, Tensor):  # a skipped step (None) still joins the collective, with nothing to add
+            index = names.index(keys[self.global_rank])
+            totals[index] = loss.detach().double()
+            totals[len(names) + index] = 1.0
+        comm.all_reduce(totals, "sum", label=TIER_LOSS_LABEL)
+        for index, name in enumerate(names):
+            if totals[len(names) + index] > 0:
+                value = (totals[index] / totals[len(names) + index]).float()
+                module.log(f"train/loss_{name}", value, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_end(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            self.runtime.restore_full(module)
+
+    @override
+    def teardown(self) -> None:
+        self.runtime.remove_masks()
+        if self._clipping_patched:
+            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
+            self._clipping_patched = False
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        module.load_state_dict(self.runtime.slice_model_state(checkpoint["state_dict"]), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        module = self.lightning_module
+        assert module is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer.load_state_dict(self.runtime.slice_optimizer_state(state, optimizer, module))
+            _optimizer_to_device(optimizer, self.root_device)
+
+
+def _tier_key(tier: int | None, rank: int) -> tuple[str, int]:
+    """Who a rank's loss is logged under: its tier, or the rank itself for per-layer widths."""
+    return ("tier", tier) if tier is not None else ("rank", rank)
