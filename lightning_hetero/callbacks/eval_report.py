@@ -8,6 +8,7 @@ users want the number they started from. :class:`ValidationReport` evaluates the
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,28 +39,14 @@ class ValidationReport(Callback):
         self.after: float | None = None
         self._restored_before = False
 
-    @torch.no_grad()
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float:
         """Mean validation loss of ``pl_module`` over the datamodule's validation loader."""
         datamodule = trainer.datamodule
         if datamodule is None:
             raise RuntimeError("ValidationReport needs a LightningDataModule passed to fit(datamodule=...).")
-        was_training = pl_module.training
-        pl_module.eval()
-        total, count = 0.0, 0
-        try:
-            for index, batch in enumerate(datamodule.val_dataloader()):
-                if self.limit_batches is not None and index >= self.limit_batches:
-                    break
-                batch = trainer.strategy.batch_to_device(batch)
-                size = _batch_size(batch)
-                total += float(pl_module(**batch).loss) * size
-                count += size
-        finally:
-            pl_module.train(was_training)
-        if count == 0:
-            raise RuntimeError("ValidationReport: the validation loader yielded no batches.")
-        return total / count
+        return mean_validation_loss(
+            trainer, pl_module, datamodule.val_dataloader(), self.limit_batches, "ValidationReport"
+        )
 
     def _describe(self, loss: float) -> str:
         text = f"loss {loss:.4f}"
@@ -95,8 +82,39 @@ class ValidationReport(Callback):
             self._restored_before = True
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, dict):
-        first = next(iter(batch.values()))
-        return int(first.shape[0])
-    raise TypeError("ValidationReport expects dict batches (keyword arguments of the model's forward).")
+@torch.no_grad()
+def mean_validation_loss(
+    trainer: Trainer, pl_module: LightningModule, loader: Iterable[Any], limit: int | None, caller: str
+) -> float:
+    """Batch-size-weighted mean of ``pl_module(**batch).loss`` over the first ``limit`` batches of ``loader``.
+
+    Runs in eval mode under ``torch.no_grad()`` and the precision plugin's forward context, and restores the module's
+    training mode. ``caller`` names the callback in errors.
+    """
+    was_training = pl_module.training
+    pl_module.eval()
+    total, count = 0.0, 0
+    try:
+        with trainer.precision_plugin.forward_context():
+            for index, batch in enumerate(loader):
+                if limit is not None and index >= limit:
+                    break
+                batch = trainer.strategy.batch_to_device(batch)
+                size = batch_size_of(batch, caller)
+                total += float(pl_module(**batch).loss) * size
+                count += size
+    finally:
+        pl_module.train(was_training)
+    if count == 0:
+        raise RuntimeError(f"{caller}: the validation loader yielded no batches.")
+    return total / count
+
+
+def batch_size_of(batch: Any, caller: str) -> int:
+    """Examples in a dict batch (``labels`` first, as our modules weight ``val/loss``)."""
+    if isinstance(batch, Mapping) and batch:
+        tensor = batch.get("labels")
+        if tensor is None:
+            tensor = next(iter(batch.values()))
+        return int(tensor.shape[0])
+    raise TypeError(f"{caller} expects dict batches (the keyword arguments of the module's forward).")

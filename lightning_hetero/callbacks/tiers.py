@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from typing_extensions import override
 
+from lightning_hetero.callbacks.eval_report import mean_validation_loss
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.export import export_tier
 from lightning_hetero.matformer.slicing import tier_view
@@ -154,16 +155,6 @@ def find_hf_model(module: nn.Module, owner: str = "TierExport") -> PreTrainedMod
         f"{owner} needs a Hugging Face PreTrainedModel inside {type(module).__name__} (as `.model` or any "
         "submodule), but found none. Build the model in __init__ or configure_model as an HF PreTrainedModel."
     )
-
-
-def _batch_size(batch: Any) -> int:
-    """Examples in a dict batch (``labels`` first, as our modules weight ``val/loss``)."""
-    if isinstance(batch, Mapping) and batch:
-        tensor = batch.get("labels")
-        if tensor is None:
-            tensor = next(iter(batch.values()))
-        return int(tensor.shape[0])
-    raise TypeError("TierEvaluation expects dict batches (the keyword arguments of the module's forward).")
 
 
 # --------------------------------------------------------------------------------------------------- sampler
@@ -434,7 +425,6 @@ class TierEvaluation(Callback):
             raise RuntimeError("TierEvaluation needs a validation loader: pass a datamodule or val_dataloaders.")
         return loaders
 
-    @torch.no_grad()
     def evaluate(self, trainer: Trainer, pl_module: LightningModule, tier: int, limit: int | None = None) -> float:
         """Mean validation loss of ``pl_module`` at ``tier`` over the first ``limit`` validation batches.
 
@@ -444,23 +434,8 @@ class TierEvaluation(Callback):
             tier: Tier to run.
             limit: Number of batches (None: all).
         """
-        was_training = pl_module.training
-        pl_module.eval()
-        total, count = 0.0, 0
-        try:
-            with tier_view(pl_module, tier), trainer.precision_plugin.forward_context():
-                for index, batch in enumerate(self._loader(trainer)):
-                    if limit is not None and index >= limit:
-                        break
-                    batch = trainer.strategy.batch_to_device(batch)
-                    size = _batch_size(batch)
-                    total += float(pl_module(**batch).loss) * size
-                    count += size
-        finally:
-            pl_module.train(was_training)
-        if count == 0:
-            raise RuntimeError("TierEvaluation: the validation loader yielded no batches.")
-        return total / count
+        with tier_view(pl_module, tier):
+            return mean_validation_loss(trainer, pl_module, self._loader(trainer), limit, "TierEvaluation")
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
