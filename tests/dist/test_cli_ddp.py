@@ -103,3 +103,41 @@ def test_two_simulated_nodes_with_node_rank(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in logs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1]
     assert len(_train_losses(out)) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+@pytest.mark.timeout(300)
+def test_matformer_config_trains_both_tiers_and_exports_them(tmp_path):
+    """configs/matformer_llama_shakespeare.yaml on 2 ranks (tiers [0, 1]): both tiers log losses, exports load."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs/matformer_llama_shakespeare.yaml"),
+        "--data.init_args.max_chars=400000",
+        "--data.init_args.vocab_size=512",
+        "--trainer.max_steps=6",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_checkpointing=false",
+        f"--trainer.default_root_dir={out}",
+        f"--trainer.logger.init_args.save_dir={out}",
+    ]
+    result = subprocess.run(
+        _command() + args, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=280
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    (metrics_file,) = out.rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_file.open()))
+    for name in ("train/loss_tier0", "train/loss_tier1", "val/loss_tier0", "val/loss_tier1"):
+        assert any(row.get(name) for row in rows), name
+    sizes = {}
+    for tier in (0, 1):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"outputs/matformer_llama_shakespeare/tiers/tier{tier}")
+        sizes[tier] = model.config.intermediate_size
+    assert sizes == {0: 320, 1: 160}
