@@ -1,0 +1,236 @@
+"""Bit-packing codecs for sparse / quantized payloads: indices to 12 or 16 bits, values to fp32, bf16, sign or ternary.
+
+Everything packs into flat ``uint8`` tensors so that a whole bucket of parameters can travel in one
+``all_gather_into_tensor`` (the counted wrappers move uint8 natively on gloo and NCCL). Byte counts are exact and
+known in advance from the element counts alone (:func:`index_nbytes`, :func:`value_nbytes`), which is what lets every
+replica slice a gathered buffer without sending any header and lets ``payload_bytes`` be an analytic formula.
+
+Layouts (all little-endian, element ``i`` before element ``i + 1``):
+
+- **16-bit indices**: two bytes per index, low byte first. ``2 * count`` bytes; indices must lie in ``[0, 65536)``.
+- **12-bit indices**: two indices ``a, b`` in three bytes ``a & 0xFF``, ``(a >> 8) | (b & 0xF) << 4``, ``b >> 4``.
+  An odd count ends with a lone index in two bytes (its third byte would always be zero, so it is not sent):
+  ``ceil(3 * count / 2)`` bytes; indices must lie in ``[0, 4096)``.
+- **fp32 / bf16 values**: the raw IEEE bytes, ``4 * count`` / ``2 * count``.
+- **sign values** (1 bit): bit ``i % 8`` of byte ``i // 8`` is 1 for a negative value, then one fp32 scale per row.
+  The receiver sees ``scale_row * (+1 | -1)`` with ``scale_row = mean(|v|)`` over the row (the L2-optimal scale for
+  a sign code). Zero maps to ``+scale`` (one bit cannot say "zero"; use ternary where zeros matter).
+  ``ceil(count / 8) + 4 * rows`` bytes.
+- **ternary values** (2 bits): code 0 = 0, 1 = +1, 2 = -1, four codes per byte (bits ``2*(i % 4)``), then one fp32
+  scale per row. A value is coded non-zero when ``|v| >= 0.5 * mean(|v|)`` of its row; the row's scale is then the
+  mean ``|v|`` of its non-zero codes (L2-optimal for the chosen codes). ``ceil(count / 4) + 4 * rows`` bytes.
+
+"Rows" are the caller's scale groups: one per DCT chunk for the DeMo replicator, one per tensor for the dense ones.
+Values are passed as a 2-D ``(rows, cols)`` tensor (a 1-D tensor is one row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "INDEX_BITS",
+    "VALUE_ENCODINGS",
+    "dequantize_values",
+    "index_nbytes",
+    "pack_indices",
+    "pack_values",
+    "unpack_indices",
+    "unpack_values",
+    "validate_index_bits",
+    "validate_value_encoding",
+    "value_nbytes",
+]
+
+INDEX_BITS: tuple[int, ...] = (12, 16)
+"""Supported index widths."""
+VALUE_ENCODINGS: tuple[str, ...] = ("fp32", "bf16", "sign", "ternary")
+"""Supported value encodings."""
+
+_SCALE_BYTES = 4  # one fp32 scale per row for sign / ternary
+_SIGN_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ------------------------------------------------------------------------------------------------- validation
+def validate_index_bits(index_bits: object) -> int:
+    """Return ``index_bits`` if it is 12 or 16, else raise a ValueError naming the valid values."""
+    if isinstance(index_bits, bool) or index_bits not in INDEX_BITS:
+        raise ValueError(f"index_bits must be one of {list(INDEX_BITS)}, got {index_bits!r}.")
+    return int(index_bits)  # type: ignore[arg-type]
+
+
+def validate_value_encoding(values: object) -> str:
+    """Return ``values`` if it is a known encoding, else raise a ValueError naming the valid values."""
+    if values not in VALUE_ENCODINGS:
+        raise ValueError(f"values must be one of {list(VALUE_ENCODINGS)}, got {values!r}.")
+    return str(values)
+
+
+def _check_count(count: int, what: str) -> None:
+    if count < 0:
+        raise ValueError(f"{what} must be >= 0, got {count}.")
+
+
+# ------------------------------------------------------------------------------------------------- byte counts
+def index_nbytes(count: int, bits: int) -> int:
+    """Exact packed size in bytes of ``count`` indices at ``bits`` (12 or 16) bits each."""
+    _check_count(count, "count")
+    bits = validate_index_bits(bits)
+    return 2 * count if bits == 16 else (3 * count + 1) // 2
+
+
+def value_nbytes(count: int, encoding: str, rows: int = 1) -> int:
+    """Exact packed size in bytes of ``count`` values in ``rows`` scale groups under ``encoding``.
+
+    Args:
+        count: Number of values (all rows together).
+        encoding: One of :data:`VALUE_ENCODINGS`.
+        rows: Scale groups (only sign / ternary send one fp32 scale per row).
+    """
+    _check_count(count, "count")
+    _check_count(rows, "rows")
+    encoding = validate_value_encoding(encoding)
+    if encoding == "fp32":
+        return 4 * count
+    if encoding == "bf16":
+        return 2 * count
+    per_byte = 8 if encoding == "sign" else 4
+    return (count + per_byte - 1) // per_byte + _SCALE_BYTES * rows
+
+
+# ------------------------------------------------------------------------------------------------------ indices
+def pack_indices(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack non-negative integer ``indices`` (any shape, flattened) into ``index_nbytes(numel, bits)`` uint8 bytes.
+
+    The range is not checked here (that would synchronise a GPU); callers validate the block size up front.
+    """
+    bits = validate_index_bits(bits)
+    flat = indices.reshape(-1).to(torch.int32)
+    count = flat.numel()
+    if bits == 16:
+        out = torch.stack((flat & 0xFF, flat >> 8), dim=1)
+        return out.reshape(-1).to(torch.uint8)
+    if count % 2:
+        flat = torch.cat((flat, flat.new_zeros(1)))
+    a, b = flat[0::2], flat[1::2]
+    out = torch.stack((a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4), dim=1).reshape(-1).to(torch.uint8)
+    return out[: index_nbytes(count, 12)]
+
+
+def unpack_indices(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_indices`: ``count`` int64 indices from the first ``index_nbytes(count, bits)`` bytes."""
+    bits = validate_index_bits(bits)
+    nbytes = index_nbytes(count, bits)
+    raw = data.reshape(-1)[:nbytes]
+    if raw.numel() != nbytes:
+        raise ValueError(f"need {nbytes} bytes for {count} {bits}-bit indices, got {raw.numel()}.")
+    raw = raw.to(torch.int64)
+    if bits == 16:
+        pairs = raw.view(-1, 2)
+        return pairs[:, 0] | (pairs[:, 1] << 8)
+    if count % 2:
+        raw = torch.cat((raw, raw.new_zeros(1)))
+    triples = raw.view(-1, 3)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    return torch.stack((a, b), dim=1).reshape(-1)[:count]
+
+
+# ------------------------------------------------------------------------------------------------------- values
+def _as_rows(values: torch.Tensor) -> torch.Tensor:
+    if values.dim() == 1:
+        return values.reshape(1, -1) if values.numel() else values.reshape(0, 0)
+    if values.dim() != 2:
+        raise ValueError(f"values must be 1-D or 2-D (rows, cols), got shape {tuple(values.shape)}.")
+    return values
+
+
+def _sign_scale(rows: torch.Tensor) -> torch.Tensor:
+    if rows.shape[1] == 0:
+        return rows.new_zeros(rows.shape[0])
+    return rows.abs().mean(dim=1)
+
+
+def _ternary_codes_and_scale(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes in {-1, 0, +1} and the per-row L2-optimal scale for them."""
+    magnitude = rows.abs()
+    mean = magnitude.mean(dim=1, keepdim=True) if rows.shape[1] else magnitude.new_zeros(rows.shape[0], 1)
+    nonzero = (magnitude >= 0.5 * mean) & (magnitude > 0)
+    codes = torch.where(nonzero, torch.sign(rows), torch.zeros_like(rows))
+    kept = nonzero.sum(dim=1)
+    scale = torch.where(nonzero, magnitude, torch.zeros_like(magnitude)).sum(dim=1) / kept.clamp(min=1)
+    return codes, scale
+
+
+def dequantize_values(values: torch.Tensor, encoding: str) -> torch.Tensor:
+    """What a receiver decodes for ``values`` (float32, same shape): the exact round trip of pack/unpack."""
+    encoding = validate_value_encoding(encoding)
+    values = values.float()
+    if encoding == "fp32":
+        return values.clone()
+    if encoding == "bf16":
+        return values.to(torch.bfloat16).float()
+    rows = _as_rows(values)
+    if encoding == "sign":
+        signs = torch.where(rows < 0, -torch.ones_like(rows), torch.ones_like(rows))
+        return (signs * _sign_scale(rows)[:, None]).reshape(values.shape)
+    codes, scale = _ternary_codes_and_scale(rows)
+    return (codes * scale[:, None]).reshape(values.shape)
+
+
+def _pack_bits(codes: torch.Tensor, per_byte: int) -> torch.Tensor:
+    """Pack small non-negative integer codes (``8 // per_byte`` bits each) into bytes, first code in the low bits."""
+    flat = codes.reshape(-1).to(torch.int32)
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    width = 8 // per_byte
+    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32) * width
+    return (flat.view(-1, per_byte) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_bits(data: torch.Tensor, count: int, per_byte: int) -> torch.Tensor:
+    width = 8 // per_byte
+    shifts = torch.arange(per_byte, device=data.device, dtype=torch.int32) * width
+    codes = (data.to(torch.int32)[:, None] >> shifts) & ((1 << width) - 1)
+    return codes.reshape(-1)[:count]
+
+
+def pack_values(values: torch.Tensor, encoding: str) -> torch.Tensor:
+    """Pack ``values`` (1-D = one row, or 2-D ``(rows, cols)``) into ``value_nbytes(numel, encoding, rows)`` bytes."""
+    encoding = validate_value_encoding(encoding)
+    values = values.detach()
+    if encoding == "fp32":
+        return values.float().contiguous().reshape(-1).view(torch.uint8)
+    if encoding == "bf16":
+        return values.to(torch.bfloat16).contiguous().reshape(-1).view(torch.uint8)
+    rows = _as_rows(values.float())
+    if encoding == "sign":
+        body = _pack_bits((rows < 0).to(torch.int32), 8)
+        scale = _sign_scale(rows)
+    else:
+        codes, scale = _ternary_codes_and_scale(rows)
+        body = _pack_bits(torch.where(codes < 0, 2, codes.to(torch.int32)), 4)
+    return torch.cat((body, scale.float().contiguous().view(torch.uint8)))
+
+
+def unpack_values(data: torch.Tensor, rows: int, cols: int, encoding: str) -> torch.Tensor:
+    """Inverse of :func:`pack_values`: a float32 ``(rows, cols)`` tensor from the first packed bytes of ``data``."""
+    encoding = validate_value_encoding(encoding)
+    count = rows * cols
+    nbytes = value_nbytes(count, encoding, rows)
+    raw = data.reshape(-1)[:nbytes]
+    if raw.numel() != nbytes:
+        raise ValueError(f"need {nbytes} bytes for {rows}x{cols} {encoding} values, got {raw.numel()}.")
+    if encoding in ("fp32", "bf16"):
+        dtype = torch.float32 if encoding == "fp32" else torch.bfloat16
+        return raw.clone().view(dtype).float().reshape(rows, cols)
+    per_byte = 8 if encoding == "sign" else 4
+    body_bytes = nbytes - _SCALE_BYTES * rows
+    scale = raw[body_bytes:].clone().view(torch.float32)
+    codes = _unpack_bits(raw[:body_bytes], count, per_byte).reshape(rows, cols)
+    if encoding == "sign":
+        unit = 1.0 - 2.0 * codes.float()  # bit 1 = negative
+    else:
+        unit = torch.where(codes == 2, -1.0, codes.float())
+    return unit * scale[:, None]

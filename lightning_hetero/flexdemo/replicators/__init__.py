@@ -1,0 +1,77 @@
+"""Replicators: how the local update of each replica is exchanged over the replicate (inter-node) group.
+
+``build_replicator(name, compression, **options)`` builds one by name; :data:`REPLICATORS` maps names to classes.
+See ``docs/flexdemo_algorithms.md`` for the math and the payload formulas.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, Replicator, kept_count, validate_compression
+from lightning_hetero.flexdemo.replicators.dense import (
+    FullReplicator,
+    RandomReplicator,
+    StridingReplicator,
+    coordinate_schedule,
+)
+from lightning_hetero.flexdemo.replicators.diloco import DiLoCoReplicator
+from lightning_hetero.flexdemo.replicators.sparse import COMBINE_MODES, DeMoReplicator, TopKReplicator
+
+__all__ = [
+    "COMBINE_MODES",
+    "REPLICATORS",
+    "Bucket",
+    "DeMoReplicator",
+    "DiLoCoReplicator",
+    "FullReplicator",
+    "Piece",
+    "RandomReplicator",
+    "Replicator",
+    "StridingReplicator",
+    "TopKReplicator",
+    "build_replicator",
+    "coordinate_schedule",
+    "kept_count",
+    "validate_compression",
+]
+
+REPLICATORS: dict[str, type[Replicator]] = {
+    "demo": DeMoReplicator,
+    "random": RandomReplicator,
+    "striding": StridingReplicator,
+    "diloco": DiLoCoReplicator,
+    "full": FullReplicator,
+    "topk": TopKReplicator,
+}
+
+
+def build_replicator(name: str, compression: float = 1 / 32, **options: Any) -> Replicator:
+    """Build the replicator registered as ``name``.
+
+    Args:
+        name: One of :data:`REPLICATORS` (``"demo"``, ``"random"``, ``"striding"``, ``"diloco"``, ``"full"``,
+            ``"topk"``), case-insensitive.
+        compression: Fraction of coefficients kept, in ``(0, 1]`` (ignored by ``"full"``; sets DiLoCo's default
+            ``sync_every = round(1 / compression)``).
+        **options: Replicator options: ``values``, ``seed``; ``chunk``, ``index_bits``, ``combine`` (demo, topk);
+            ``sync_every``, ``outer_lr``, ``outer_momentum`` (diloco). Options set to None are dropped (the
+            replicator's default applies), so a strategy can pass one flat set of options; any other option the
+            replicator does not take raises.
+
+    Raises:
+        ValueError: Unknown name or option, or an invalid value (compression, chunk, index_bits, values, ...).
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in REPLICATORS:
+        raise ValueError(f"replicator must be one of {sorted(REPLICATORS)}, got {name!r}.")
+    cls = REPLICATORS[key]
+    options = {option: value for option, value in options.items() if value is not None}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "compression"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(
+            f"replicator {key!r} does not take option(s) {unknown}; it accepts {sorted(accepted)} (and compression)."
+        )
+    return cls(compression, **options)

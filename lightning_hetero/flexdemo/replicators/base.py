@@ -1,0 +1,233 @@
+"""The :class:`Replicator` base: encode local tensors, exchange them over the replicate group, decode the combination.
+
+A replicator turns one local tensor per parameter (the optimizer's update buffer, or the raw gradient for
+:attr:`Replicator.exchanges_gradient` replicators) into a :class:`Piece` (its wire bytes plus what is needed to decode
+it), starts one collective for a whole bucket of pieces (:meth:`Replicator.launch`), and later waits and decodes
+(:meth:`Replicator.finish`) into one combined float32 tensor per parameter, identical on every replica. Two wire kinds:
+
+- ``"gather"``: every piece is packed bytes (uint8); the bucket is one ``all_gather_into_tensor`` and each replica
+  decodes every rank's bytes and sums them **in rank order 0..n-1** (deterministic, so replicas stay bit-identical);
+- ``"reduce"``: every piece is a dense float vector (fp32 or bf16); the bucket is one ``all_reduce(sum)``, which
+  hands every rank the same sum.
+
+Buckets contain the same parameters in the same order on every replica (the optimizer guarantees it), so their byte
+layout is identical everywhere and no header is sent. A group of one (or no group: an unbound optimizer) sends
+nothing and decodes its own piece. Every collective is counted by :mod:`lightning_hetero.comm` as ``"inter"``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero import comm
+from lightning_hetero.comm.codecs import validate_value_encoding
+
+__all__ = ["Bucket", "Piece", "Replicator", "kept_count", "validate_compression"]
+
+
+def validate_compression(compression: object) -> float:
+    """Return ``compression`` as a float in ``(0, 1]`` or raise a ValueError naming the argument."""
+    if isinstance(compression, bool) or not isinstance(compression, (int, float)) or not 0 < compression <= 1:
+        raise ValueError(
+            f"compression must be a number in (0, 1] (the fraction of coefficients kept, e.g. 1/32 = 0.03125),"
+            f" got {compression!r}."
+        )
+    return float(compression)
+
+
+def kept_count(compression: float, size: int) -> int:
+    """Coefficients kept out of ``size`` at ``compression``: ``floor(compression * size)``, at least 1 (0 if empty)."""
+    if size <= 0:
+        return 0
+    return max(1, min(size, int(compression * size + 1e-9)))  # the epsilon absorbs 0.07 * 100 = 7.000000000000001
+
+
+@dataclass
+class Piece:
+    """One parameter's contribution to a bucket."""
+
+    key: int
+    """The parameter's position in the optimizer (same on every replica)."""
+    shape: tuple[int, ...]
+    """Local shape of the tensor that was encoded (the combined result has this shape)."""
+    wire: torch.Tensor
+    """1-D wire data: uint8 bytes (gather kind) or a float vector (reduce kind); may be empty."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Whatever the replicator needs to decode (layout, selected positions, ...)."""
+
+
+@dataclass
+class Bucket:
+    """A launched collective over several pieces."""
+
+    pieces: list[Piece]
+    kind: str
+    buffer: torch.Tensor
+    output: torch.Tensor
+    work: Any | None
+    launched_at: float
+    early: bool
+    offsets: list[int]
+
+
+class Replicator(ABC):
+    """Exchange (compressed) local tensors over the replicate group; decode one combined tensor per parameter.
+
+    Args:
+        compression: Fraction of coefficients kept, in ``(0, 1]``.
+        values: Value encoding on the wire: ``"fp32"``, ``"bf16"``, ``"sign"`` (1 bit + per-row scale) or
+            ``"ternary"`` (2 bits + per-row scale); see :mod:`lightning_hetero.comm.codecs`.
+        seed: Seed of replicators that select coordinates pseudo-randomly (the same on every replica).
+    """
+
+    name: ClassVar[str] = ""
+    compresses: ClassVar[bool] = True
+    """False for replicators that send everything (Full, DiLoCo); the strategy warns when a compressing replicator
+    runs with a single replica, where compression only loses information."""
+    exchanges_gradient: ClassVar[bool] = False
+    """True: the optimizer hands over the raw local gradient and runs its state recursion on the combined gradient
+    (Full, DiLoCo). False: it hands over its local update buffer, which the replicator compresses with error
+    feedback (what was sent is subtracted from the buffer in place)."""
+
+    def __init__(self, compression: float = 1 / 32, *, values: str = "fp32", seed: int = 0) -> None:
+        self.compression = validate_compression(compression)
+        self.values = validate_value_encoding(values)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}.")
+        self.seed = seed
+        self.group: Any | None = None
+        self.num_replicas = 1
+        self.step = 0
+        """Optimizer steps completed (advanced by :meth:`end_step`; saved in :meth:`state_dict`)."""
+        self._owner: object | None = None
+        self.stats: dict[str, float] = {}
+        self._reset_stats()
+
+    # ----------------------------------------------------------------------------------------------- set up
+    def setup(self, group: Any | None) -> None:
+        """Use ``group`` as the replicate group (None: a single replica, nothing is ever sent)."""
+        if group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("A replicate group was given but torch.distributed is not initialized.")
+        self.group = group
+        self.num_replicas = 1 if group is None else dist.get_world_size(group)
+
+    def attach(self, owner: object) -> None:
+        """Claim this replicator for one optimizer; a replicator holds per-run state and cannot be shared."""
+        if self._owner is not None and self._owner is not owner:
+            raise ValueError(
+                f"This {type(self).__name__} is already used by another optimizer; build one replicator per optimizer"
+                " (replicators hold step counters and per-parameter state)."
+            )
+        self._owner = owner
+
+    @property
+    def wire_kind(self) -> str:
+        """``"gather"`` (packed bytes) or ``"reduce"`` (dense float sum)."""
+        return "gather"
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration, for logs."""
+        return {"name": self.name, "compression": self.compression, "values": self.values, "seed": self.seed}
+
+    # ------------------------------------------------------------------------------------------ step hooks
+    def start_step(self, params: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Called once per optimizer step, before the first :meth:`encode`, with every ``(key, local param)``."""
+        self._reset_stats()
+
+    def end_step(self, params: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Called once per optimizer step after every parameter was updated; advances :attr:`step`."""
+        self.step += 1
+
+    def _reset_stats(self) -> None:
+        self.stats = {"wait_seconds": 0.0, "comm_seconds": 0.0, "encode_seconds": 0.0, "decode_seconds": 0.0}
+        self.stats.update({"buckets": 0, "payload_bytes": 0})
+
+    # --------------------------------------------------------------------------------------- encode/decode
+    @abstractmethod
+    def encode(self, key: int, source: torch.Tensor) -> Piece:
+        """Encode the float32 local tensor ``source``; apply error feedback to it in place where the replicator has
+        it. Must produce the same wire size on every replica for the same key and shape."""
+
+    def decode_gathered(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
+        """Combine every rank's bytes for ``piece`` (rank order) into a float32 tensor of ``piece.shape``."""
+        raise NotImplementedError
+
+    def decode_reduced(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
+        """Turn the all-reduced sum for ``piece`` into a float32 tensor of ``piece.shape``."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def payload_bytes(self, local_shapes: Sequence[torch.Size | tuple[int, ...]]) -> int:
+        """Bytes this rank contributes to the inter-node collective(s) of one synchronising step (the ledger's
+        ``payload_bytes`` summed over this step's ``"inter"`` records)."""
+
+    # ---------------------------------------------------------------------------------------- communication
+    def launch(self, pieces: list[Piece], *, early: bool = False) -> Bucket:
+        """Concatenate ``pieces`` and start one async collective over the replicate group (none when alone/empty)."""
+        kind = self.wire_kind
+        offsets, total = [], 0
+        for piece in pieces:
+            offsets.append(total)
+            total += piece.wire.numel()
+        non_empty = [piece.wire for piece in pieces if piece.wire.numel()]
+        if non_empty:
+            buffer = torch.cat(non_empty) if len(non_empty) > 1 else non_empty[0].clone()  # reduced in place
+        else:
+            device = pieces[0].wire.device if pieces else torch.device("cpu")
+            buffer = torch.empty(0, dtype=torch.uint8 if kind == "gather" else torch.float32, device=device)
+        work, output = None, buffer
+        launched_at = time.perf_counter()
+        if self.num_replicas > 1 and total:
+            if kind == "gather":
+                output = buffer.new_empty(self.num_replicas * total)
+                work = comm.all_gather_into_tensor(output, buffer, label=comm.INTER, group=self.group, async_op=True)
+            else:
+                work = comm.all_reduce(buffer, "sum", label=comm.INTER, group=self.group, async_op=True)
+            self.stats["payload_bytes"] += buffer.numel() * buffer.element_size()
+        self.stats["buckets"] += 1
+        return Bucket(pieces, kind, buffer, output, work, launched_at, early, offsets)
+
+    def finish(self, bucket: Bucket) -> list[torch.Tensor]:
+        """Wait for ``bucket``'s collective and decode one combined float32 tensor per piece (same on every replica)."""
+        if bucket.work is not None:
+            started = time.perf_counter()
+            bucket.work.wait()
+            done = time.perf_counter()
+            self.stats["wait_seconds"] += done - started
+            self.stats["comm_seconds"] += done - bucket.launched_at
+        started = time.perf_counter()
+        total = bucket.buffer.numel()
+        results = []
+        for piece, offset in zip(bucket.pieces, bucket.offsets, strict=True):
+            size = piece.wire.numel()
+            if bucket.kind == "gather":
+                ranks = 1 if bucket.work is None else self.num_replicas
+                per_rank = [bucket.output[r * total + offset : r * total + offset + size] for r in range(ranks)]
+                results.append(self.decode_gathered(piece, per_rank))
+            else:
+                results.append(self.decode_reduced(piece, bucket.output[offset : offset + size]))
+        self.stats["decode_seconds"] += time.perf_counter() - started
+        return results
+
+    # ------------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed for a bit-identical resume (the step counter drives every pseudo-random choice)."""
+        return {"name": self.name, "step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the replicator kind must match."""
+        name = state_dict.get("name", self.name)
+        if name != self.name:
+            raise ValueError(f"Checkpoint holds state of replicator {name!r}, but this optimizer uses {self.name!r}.")
+        self.step = int(state_dict["step"])
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "name")
+        return f"{type(self).__name__}({options})"

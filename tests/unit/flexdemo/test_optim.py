@@ -1,0 +1,182 @@
+"""DeMoSGD / DecoupledAdamW in one process: semantics against hand computations, state, errors, DTensor shards."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hetero.flexdemo import DecoupledAdamW, DeMoSGD, build_replicator
+from lightning_hetero.flexdemo.transforms import ChunkedDCT
+
+
+def _param(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+
+
+def test_weight_decay_works_and_is_decoupled() -> None:
+    # The anchor's DeToSGD raised AttributeError for its weight decay; here a zero gradient leaves only the decay.
+    p = _param(4, 4)
+    start = p.detach().clone()
+    optimizer = DeMoSGD([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert torch.equal(p.detach(), start * (1 - 0.1 * 0.5))
+
+
+def test_demo_sgd_single_replica_matches_hand_computation() -> None:
+    """n = 1: delta = beta*delta + lr*g; u = IDCT(topk(DCT(delta))); delta -= u; p -= lr*sign(u). Momentum is kept
+    (the anchor's R == 1 path dropped it)."""
+    p = _param(8, 8)
+    start = p.detach().clone()
+    optimizer = DeMoSGD([p], lr=0.01, momentum=0.9, compression=1 / 16, chunk=4)
+    dct = ChunkedDCT(4)
+    delta = torch.zeros(8, 8)
+    expected = start.clone()
+    for step in range(3):
+        grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + step))
+        p.grad = grad.clone()
+        optimizer.step()
+        delta = 0.9 * delta + 0.01 * grad
+        coefficients = dct.encode(delta)
+        top = coefficients.abs().argmax(dim=1, keepdim=True)  # k = 1 of 16
+        sent = torch.zeros_like(coefficients).scatter_(1, top, coefficients.gather(1, top))
+        update = dct.decode(sent, (8, 8))
+        delta = delta - update
+        expected = expected - 0.01 * torch.sign(update)
+    assert torch.allclose(p.detach(), expected, atol=1e-7)
+    assert torch.allclose(optimizer.state[p]["delta"], delta, atol=1e-7)
+    assert optimizer.state[p]["delta"].abs().sum() > 0
+
+
+def test_full_decoupled_adamw_equals_torch_adamw_single_process() -> None:
+    ours, theirs = _param(5, 3), _param(5, 3)
+    optimizer = DecoupledAdamW([ours], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    reference = torch.optim.AdamW([theirs], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for step in range(10):
+        grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(step))
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        reference.step()
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+
+
+def test_defaults() -> None:
+    p = _param(3)
+    assert DeMoSGD([p]).replicator.name == "demo" and DeMoSGD([p]).defaults["sign"] is True
+    adamw = DecoupledAdamW([p])
+    assert adamw.replicator.name == "full" and adamw.defaults["sign"] is False
+    assert DecoupledAdamW([p], replicator="random", compression=0.5).replicator.compression == 0.5
+
+
+def test_bf16_params_keep_fp32_state() -> None:
+    p = _param(6, 5, dtype=torch.bfloat16)
+    for optimizer in (DeMoSGD([p], replicator="demo", chunk=4), DecoupledAdamW([p], replicator="random")):
+        p.grad = torch.randn(6, 5).to(torch.bfloat16)
+        optimizer.step()
+        assert p.dtype == torch.bfloat16
+        assert all(v.dtype == torch.float32 for v in optimizer.state[p].values() if v.dim())
+        restored = type(optimizer)([p], replicator=optimizer.replicator.name)
+        restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        assert all(v.dtype == torch.float32 for v in restored.state[p].values() if v.dim())  # torch would cast
+
+
+def test_state_dict_carries_replicator_state() -> None:
+    p = _param(4)
+    optimizer = DecoupledAdamW([p], replicator="diloco", sync_every=2)
+    for _ in range(3):
+        p.grad = torch.ones(4)
+        optimizer.step()
+    state = optimizer.state_dict()
+    assert state["replicator"]["name"] == "diloco" and state["replicator"]["step"] == 3
+    assert state["replicator"]["syncs"] == 1 and set(state["replicator"]["anchors"]) == {0}
+    with pytest.raises(ValueError, match="Checkpoint holds state of replicator 'diloco'"):
+        DecoupledAdamW([p], replicator="full").load_state_dict(state)
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        DecoupledAdamW([p, _param(2)], replicator="diloco").load_state_dict(state)
+
+
+def test_closure_and_missing_gradients() -> None:
+    used, unused = _param(3, 3), _param(2)
+    optimizer = DeMoSGD([used, unused], lr=0.1, compression=0.5)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = used.sum() ** 2
+        loss.backward()
+        return loss
+
+    before = unused.detach().clone()
+    loss = optimizer.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    assert torch.equal(unused.detach(), before)  # no gradient counts as zero: sign(0) = 0, no decay configured
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda p: DeMoSGD(p, lr=-1.0), "lr must be >= 0.0"),
+        (lambda p: DeMoSGD(p, momentum=1.0), "momentum must be >= 0.0 and < 1.0"),
+        (lambda p: DeMoSGD(p, weight_decay=-0.1), "weight_decay must be >= 0.0"),
+        (lambda p: DecoupledAdamW(p, betas=(0.9, 1.0)), r"betas\[1\] must be"),
+        (lambda p: DeMoSGD(p, replicator="nope"), "replicator must be one of"),
+        (lambda p: DeMoSGD(p, compression=0.0), r"compression must be a number in \(0, 1\]"),
+        (lambda p: DeMoSGD(p, chunk=1000), r"chunk must be an integer in \[1, 256\]"),
+        (lambda p: DeMoSGD(p, chunk=128, index_bits=12), "index_bits=12 cannot address chunk=128"),
+        (lambda p: DeMoSGD(p, replicator=build_replicator("demo"), chunk=4), "were given with a ready-built"),
+    ],
+)
+def test_bad_arguments(factory: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        factory([_param(2)])  # type: ignore[operator]
+
+
+def test_launch_errors() -> None:
+    p, q = _param(3), _param(3)
+    optimizer = DeMoSGD([p], compression=0.5)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="not in this optimizer"):
+        optimizer.launch([q])
+    optimizer.launch([p])
+    with pytest.raises(RuntimeError, match="already launched"):
+        optimizer.launch([p])
+    optimizer.step()
+    assert optimizer.comm_stats()["launched_early"] == 1
+
+
+def test_unbound_step_in_a_multi_rank_world_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    p = _param(3)
+    p.grad = torch.ones(3)
+    optimizer = DeMoSGD([p], compression=0.5)
+    with pytest.warns(UserWarning, match=r"before bind\(\): running as a single replica"):
+        optimizer.step()
+
+
+def test_dtensor_parameters_update_their_local_shard() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    plain = _param(6, 4)
+    sharded = torch.nn.Parameter(distribute_tensor(plain.detach().clone(), mesh, [Shard(0)]))
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    plain.grad = grad.clone()
+    sharded.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+    for cls in (DeMoSGD, DecoupledAdamW):
+        reference_param = plain.detach().clone().requires_grad_(True)
+        reference_param.grad = grad.clone()
+        reference = cls([reference_param], lr=0.1, replicator="demo", chunk=4)
+        ours = cls([sharded], lr=0.1, replicator="demo", chunk=4)
+        ours.bind(None)
+        start = sharded.to_local().clone()
+        reference.step()
+        ours.step()
+        assert not torch.equal(sharded.to_local(), start)
+        assert torch.equal(sharded.to_local(), reference_param.detach())
+        with torch.no_grad():
+            sharded.to_local().copy_(plain.detach())
