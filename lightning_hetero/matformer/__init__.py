@@ -20,6 +20,7 @@ from lightning_hetero.matformer.adapters import (
 )
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
+from lightning_hetero.matformer.compressed import CompressedExchange, demo_bytes_per_step, demo_payload_bytes
 from lightning_hetero.matformer.export import export_tier
 from lightning_hetero.matformer.fabric import MatFormerStrategy as MatFormerFabricStrategy
 from lightning_hetero.matformer.runtime import MatFormerRuntime
@@ -48,6 +49,7 @@ from lightning_hetero.matformer.tiers import (
 from lightning_hetero.matformer.types import FFNParameter, tier_width
 
 __all__ = [
+    "CompressedExchange",
     "FFNAdapter",
     "FFNBlock",
     "FFNParameter",
@@ -67,6 +69,8 @@ __all__ = [
     "compare_schemas",
     "config_intermediate_size",
     "contributor_counts",
+    "demo_bytes_per_step",
+    "demo_payload_bytes",
     "embed_prefix",
     "export_tier",
     "ffn_parameters",

@@ -6,7 +6,9 @@ bytes of what it holds. All pieces that share a rank set (and wire dtype) travel
 per group per step. Non-FFN gradients join the all-ranks bucket. Modes:
 
 - ``mean``: ``sum_i w_i g_i / sum_i w_i`` per coordinate over the ranks that trained it (``w_i = 1`` by default);
-- ``sign``: majority vote, ``sign(sum_i w_i sign(g_i))``; untrained coordinates vote 0, so nothing turns into +1.
+- ``sign``: majority vote, ``sign(sum_i w_i sign(g_i))``; untrained coordinates vote 0, so nothing turns into +1;
+- ``demo``: ``mean`` with each bucket sent as DCT top-k with error feedback (:mod:`.compressed`), all-gathered among
+  the bucket's ranks.
 
 Helper ranks join the groups of every region in their tail, send zeros where they did not train, and divide by
 per-neuron contributor weights that every rank computes locally (no count tensor travels). See
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,9 @@ from lightning_hetero.matformer.tiers import (
     wire_dtype,
 )
 from lightning_hetero.matformer.types import FFNParameter
+
+if TYPE_CHECKING:
+    from lightning_hetero.matformer.compressed import CompressedExchange
 
 __all__ = ["RegionGroups", "aggregate_gradients"]
 
@@ -184,6 +189,7 @@ def aggregate_gradients(
     step: int | None = None,
     label: str | None = None,
     ledger: ByteLedger | None = None,
+    exchange: CompressedExchange | None = None,
 ) -> None:
     """Replace this rank's gradients in place by their per-region aggregate over the ranks that trained them.
 
@@ -196,21 +202,30 @@ def aggregate_gradients(
         ffn_params: The FFN parameters (names as in ``grads``, full sizes, axes, layers).
         layout: The run's :class:`TierLayout`, or better the :class:`RegionGroups` built once at setup (a bare
             layout creates new process groups on every call, which is collective and slow).
-        mode: ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        mode: ``"mean"``, ``"sign"`` or ``"demo"`` (``mean`` through DCT top-k with error feedback; needs
+            ``exchange``, no helpers).
         tier_weights: Weight of each tier's contribution (``{tier: w}`` or a list by tier); None weighs ranks
             equally. For non-FFN parameters a rank counts with its lowest tier.
         helpers: Helper configs by rank; must match those of ``layout`` when that is a :class:`RegionGroups`.
         step: Optimizer step, which selects the helpers' draw; required when helpers are active.
         label: Ledger label (default: the groups' label, ``"inter"``).
-        ledger: Ledger to record into (default: the global one).
+        ledger: Ledger to record into (default: the global one). ``demo`` buckets are recorded by the replicators
+            into the global ledger as ``"inter"`` (use ``comm.get_ledger().capture()`` to see one call's bytes).
+        exchange: The :class:`~lightning_hetero.matformer.compressed.CompressedExchange` built once at setup on
+            the same groups (it holds the error-feedback buffers); required for, and only for, ``mode="demo"``.
 
     Raises:
-        ValueError: Missing, non-floating or wrongly sized gradients, layout mismatches, bad weights or helpers.
-        NotImplementedError: ``mode="demo"``.
+        ValueError: Missing, non-floating or wrongly sized gradients, layout mismatches, bad weights or helpers;
+            ``demo`` without an exchange, with helpers, or with a custom label or ledger.
     """
     check_mode(mode)
     groups = _region_groups(layout, helpers, label)
     layout, helpers = groups.layout, groups.helpers
+    demo = mode == "demo"
+    if demo:
+        _check_demo(groups, exchange, label, ledger)
+    elif exchange is not None:
+        raise ValueError(f"exchange= is only used by mode='demo', got mode={mode!r}; drop exchange or use 'demo'.")
     if helpers and step is None:
         raise ValueError("aggregate_gradients needs step= (the optimizer step) when helpers are active.")
     step = 0 if step is None else step
@@ -229,15 +244,39 @@ def aggregate_gradients(
             piece.gather(views[-1], sign)
             offset += numel
         handle = None
-        if len(members) > 1:  # a single member already holds the sum
+        if len(members) > 1 and demo:
+            assert exchange is not None and all(p.region_positions is None for p in pieces)  # only trained slabs
+            handle = exchange.launch(members, buffer, [piece.shape() for piece in pieces])
+        elif len(members) > 1:  # a single member already holds the sum
             group = groups.group(members)
             handle = comm.all_reduce(buffer, "sum", label=label, group=group, async_op=True, ledger=ledger)
         pending.append((handle, pieces, views))
     for handle, pieces, views in pending:
-        if handle is not None:
+        if handle is not None and demo:
+            exchange.finish(handle, views)  # type: ignore[union-attr]
+        elif handle is not None:
             handle.wait()
         for piece, view in zip(pieces, views, strict=True):
             piece.scatter(view, sign)
+
+
+def _check_demo(
+    groups: RegionGroups, exchange: CompressedExchange | None, label: str | None, ledger: ByteLedger | None
+) -> None:
+    if exchange is None:
+        raise ValueError(
+            "mode='demo' needs exchange=CompressedExchange(groups, compression=...) built once at setup: it holds"
+            " each bucket's error-feedback buffer, which must persist across steps."
+        )
+    if exchange.groups is not groups:
+        raise ValueError("exchange was built on other RegionGroups; pass the groups it was built with as layout.")
+    if groups.helpers:
+        raise ValueError("mode='demo' cannot be combined with helpers; use helper_fraction=0 or mode='mean'.")
+    if (label is not None and label != INTER) or ledger is not None:
+        raise ValueError(
+            "mode='demo' sends through the FlexDeMo replicators, which record into the global ledger as 'inter';"
+            " drop label=/ledger= and use comm.get_ledger().capture() to inspect the bytes."
+        )
 
 
 def _region_groups(

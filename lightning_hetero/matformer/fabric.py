@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
 from lightning_hetero.matformer.tiers import TierLayout
 
@@ -75,13 +76,16 @@ class MatFormerStrategy(DDPStrategy):
         tiers: One entry per global rank, or per node; an entry is a tier ``t`` (FFN width ``h >> t``) or a list
             with one tier per FFN. Global rank 0 must be tier 0. Default: every rank tier 0.
         widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``.
-        mode: ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        mode: ``"mean"``, ``"sign"`` or ``"demo"`` (the per-region mean sent as DCT top-k with error feedback).
         tier_weights: One weight per tier (index = tier); None weighs ranks equally.
         helper_fraction: Rotating tail neurons a tier > 0 rank also trains, relative to its width (0: off). Needs
             ``slice_weights=False``.
         helper_redraw_every: Optimizer steps (gradient syncs) between helper re-draws.
         helper_seed: Seed of the helper draws.
         slice_weights: True: a tier-``t`` rank holds only its prefixes. False: full weights and a neuron mask.
+        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
+            (default 1/32).
+        demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
         accelerator: Set by Fabric.
         parallel_devices: Set by Fabric.
         cluster_environment: Set by Fabric.
@@ -104,6 +108,8 @@ class MatFormerStrategy(DDPStrategy):
         helper_redraw_every: int = 16,
         helper_seed: int = 0,
         slice_weights: bool = True,
+        compression: float | None = None,
+        demo_options: dict[str, Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -114,7 +120,16 @@ class MatFormerStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.runtime = MatFormerRuntime(
-            tiers, widths, mode, tier_weights, helper_fraction, helper_redraw_every, helper_seed, slice_weights
+            tiers,
+            widths,
+            mode,
+            tier_weights,
+            helper_fraction,
+            helper_redraw_every,
+            helper_seed,
+            slice_weights,
+            compression=compression,
+            demo_options=demo_options,
         )
         super().__init__(
             accelerator=accelerator,
@@ -252,7 +267,23 @@ class MatFormerStrategy(DDPStrategy):
         for key, value in proxied.items():  # the base class replaces plain values in the dict it was given
             if not isinstance(value, _SlicingOptimizerLoader):
                 state[key] = value
+        self.runtime.load_exchange_state(remainder.pop(CHECKPOINT_KEY, None))
         return remainder
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Rank 0 writes; with ``mode="demo"`` every rank's error-feedback buffers are collected into the file first
+        (collective: ``fabric.save`` runs on every rank)."""
+        entry = self.runtime.gather_exchange_state(self.root_device)
+        if entry is not None:
+            state = {**state, CHECKPOINT_KEY: entry}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def _slice_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> Any:
         assert self._module is not None, "set up the module before loading optimizer state"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from lightning_hetero.comm import INTER
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
+from lightning_hetero.matformer.compressed import CompressedExchange, check_demo_arguments
 from lightning_hetero.matformer.schema import canonical_schema, compare_schemas
 from lightning_hetero.matformer.slicing import slice_model
 from lightning_hetero.matformer.tiers import (
@@ -57,7 +59,7 @@ class MatFormerRuntime:
             tier ``t`` (width ``h >> t``) or a list with one tier per FFN. Global rank 0 must be tier 0. ``None``
             (and no ``widths``): every rank trains tier 0, which is plain data parallelism.
         widths: Like ``tiers`` but in FFN units (``[1, h]``); exclusive with ``tiers``.
-        mode: Aggregation, ``"mean"`` or ``"sign"`` (``"demo"`` is not available yet).
+        mode: Aggregation: ``"mean"``, ``"sign"`` or ``"demo"`` (the mean sent as DCT top-k with error feedback).
         tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
         helper_fraction: Tail neurons a tier > 0 rank also trains, relative to its width (0 turns helpers off).
             Needs ``slice_weights=False``.
@@ -65,6 +67,8 @@ class MatFormerRuntime:
         helper_seed: Seed of the helper draws.
         slice_weights: True: a tier-``t`` rank physically holds only its FFN prefixes (memory savings). False: it
             keeps full weights and trains its neurons through a 0/1 mask on the FFN hidden activations.
+        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
+        demo_options: ``mode="demo"`` only: ``chunk``, ``values``, ``index_bits`` of the DeMo replicator.
         owner: Class name used in error messages.
     """
 
@@ -79,6 +83,8 @@ class MatFormerRuntime:
         helper_seed: int = 0,
         slice_weights: bool = True,
         owner: str = "MatFormerStrategy",
+        compression: float | None = None,
+        demo_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.owner = owner
         if tiers is not None and widths is not None:
@@ -107,6 +113,9 @@ class MatFormerRuntime:
             raise ValueError(f"{owner}(helper_redraw_every={helper_redraw_every!r}): use an int >= 1.")
         if isinstance(helper_seed, bool) or not isinstance(helper_seed, int):
             raise ValueError(f"{owner}(helper_seed={helper_seed!r}): use an int.")
+        check_demo_arguments(owner, self.mode, compression, demo_options, helper_fraction)
+        self.compression = compression
+        self.demo_options = dict(demo_options or {})
         self.helper_fraction = float(helper_fraction)
         self.helper_redraw_every = helper_redraw_every
         self.helper_seed = helper_seed
@@ -119,6 +128,9 @@ class MatFormerRuntime:
         self.ffn_params: list[FFNParameter] = []
         self.helpers: dict[int, HelperConfig] = {}
         self.groups: RegionGroups | None = None
+        self.exchange: CompressedExchange | None = None
+        """``mode="demo"``: the replicators and this rank's error-feedback buffers, once :meth:`setup` ran."""
+        self._pending_exchange_state: dict[str, Tensor] | None = None
         self.local_widths: list[int] = []
         self.rank, self.world_size = 0, 1
         self.sliced = False
@@ -202,6 +214,11 @@ class MatFormerRuntime:
         self.layout = self._build_layout(blocks)
         self.helpers = self._build_helpers(self.layout)
         self.groups = RegionGroups(self.layout, helpers=self.helpers, label=INTER)
+        if self.mode == "demo":
+            self.exchange = CompressedExchange(self.groups, self.compression, **self.demo_options)
+            if self._pending_exchange_state is not None:
+                self.exchange.load_state_dict(self._pending_exchange_state)
+                self._pending_exchange_state = None
         self.local_widths = [self.layout.width(self.rank, b.layer) for b in blocks]
         if self.slice_weights:
             if any(w != b.full_size for w, b in zip(self.local_widths, blocks, strict=True)):
@@ -303,7 +320,11 @@ class MatFormerRuntime:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grads[name] = param.grad
-        aggregate_gradients(grads, self.ffn_params, self.groups, self.mode, self.tier_weights, step=step)
+        aggregate_gradients(
+            grads, self.ffn_params, self.groups, self.mode, self.tier_weights, step=step, exchange=self.exchange
+        )
+        if self.exchange is not None:
+            self.exchange.check_loaded_state_used()
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -338,6 +359,38 @@ class MatFormerRuntime:
                     comm.broadcast(params[spec.name].data, 0, label=INTER)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def gather_exchange_state(self, device: torch.device) -> dict[str, Any] | None:
+        """``mode="demo"``: every rank's error-feedback buffers, on rank 0 (collective; None elsewhere or off)."""
+        if self.exchange is None:
+            return None
+        ranks = self.exchange.gather_state(device)
+        return None if ranks is None else {"world_size": len(ranks), "ranks": ranks}
+
+    def load_exchange_state(self, entry: Mapping[str, Any] | None) -> None:
+        """``mode="demo"``: restore this rank's buffers from a checkpoint entry (applied at setup if not set up yet).
+
+        A checkpoint without the entry (saved in another mode) or from another world size resets them to zero, with
+        a warning: training goes on, but not bit-identically.
+        """
+        if self.mode != "demo":
+            return
+        initialized = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)
+        if entry is None or int(entry.get("world_size", -1)) != world:
+            found = "no error-feedback buffers" if entry is None else f"buffers of {entry.get('world_size')} ranks"
+            warnings.warn(
+                f"{self.owner}(mode='demo'): the checkpoint holds {found} for this {world}-rank run; the"
+                " error-feedback buffers start from zero (the resumed run is not bit-identical).",
+                stacklevel=2,
+            )
+            state: dict[str, Tensor] = {}
+        else:
+            state = dict(entry["ranks"][rank])
+        if self.exchange is None:
+            self._pending_exchange_state = state
+        else:
+            self.exchange.load_state_dict(state)
+
     def slice_model_state(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """A full model state dict cut to this rank's widths (unchanged when this rank is not sliced)."""
         return slice_model_state(state, self.ffn_params, self.local_widths) if self.sliced else state

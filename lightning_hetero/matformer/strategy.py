@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
+from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
 from lightning_hetero.matformer.tiers import TierLayout
 
@@ -56,8 +57,8 @@ class MatFormerStrategy(DDPStrategy):
             an entry is a tier ``t`` (FFN width ``h >> t``) or a list with one tier per FFN (Mix'n'Match). Default:
             every rank tier 0 (plain data parallelism).
         widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``. Rank 0 must be full width.
-        mode: ``"mean"`` (per-region mean; all tier 0 equals DDP) or ``"sign"`` (per-region majority vote).
-            ``"demo"`` is not available yet.
+        mode: ``"mean"`` (per-region mean; all tier 0 equals DDP), ``"sign"`` (per-region majority vote) or
+            ``"demo"`` (the per-region mean sent as DCT top-k with error feedback, FlexDeMo's DeMo replicator).
         tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
         helper_fraction: A tier > 0 rank also trains ``floor(width * fraction)`` rotating tail neurons per FFN
             (0: off). Needs ``slice_weights=False``.
@@ -65,6 +66,9 @@ class MatFormerStrategy(DDPStrategy):
         helper_seed: Seed of the helper draws.
         slice_weights: True: a tier-``t`` rank holds only its prefixes (real memory savings). False: full weights,
             trained through a 0/1 mask on the FFN hidden activations (needed for helpers).
+        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
+            (default 1/32).
+        demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
         log_tier_losses: Also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks), at the cost of
             one small all-reduce per training step (ledger label ``"metrics"``).
         accelerator: Set by the Trainer.
@@ -89,6 +93,8 @@ class MatFormerStrategy(DDPStrategy):
         helper_redraw_every: int = 16,
         helper_seed: int = 0,
         slice_weights: bool = True,
+        compression: float | None = None,
+        demo_options: dict[str, Any] | None = None,
         log_tier_losses: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -100,7 +106,16 @@ class MatFormerStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.runtime = MatFormerRuntime(
-            tiers, widths, mode, tier_weights, helper_fraction, helper_redraw_every, helper_seed, slice_weights
+            tiers,
+            widths,
+            mode,
+            tier_weights,
+            helper_fraction,
+            helper_redraw_every,
+            helper_seed,
+            slice_weights,
+            compression=compression,
+            demo_options=demo_options,
         )
         super().__init__(
             accelerator=accelerator,
@@ -227,6 +242,21 @@ class MatFormerStrategy(DDPStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Rank 0 writes; with ``mode="demo"`` every rank's error-feedback buffers are collected into the file first
+        (collective: ``trainer.save_checkpoint`` runs on every rank)."""
+        entry = self.runtime.gather_exchange_state(self.root_device)
+        if entry is not None:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: entry}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.runtime.load_exchange_state(checkpoint.get(CHECKPOINT_KEY))
+        return checkpoint
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 MODES = ("mean", "sign", "demo")
-"""Aggregation modes; ``demo`` is reserved for the FlexDeMo replicators and rejected until they exist."""
+"""Aggregation modes: per-region mean, sign vote, or the mean through the DeMo replicator (compressed.py)."""
 
 TierWeights = Mapping[int, float] | Sequence[float]
 """Weight of each tier's contribution: ``{tier: weight}`` or a sequence indexed by tier."""
@@ -457,21 +457,16 @@ def contributor_counts(
 
 # ---------------------------------------------------------------------------------------------------- bytes
 def check_mode(mode: str) -> str:
-    """Return ``mode`` if it can be used now; raise a clear error otherwise."""
-    if mode == "demo":
-        raise NotImplementedError(
-            "mode='demo' (compressed DeMo exchange) is not available yet: it needs the FlexDeMo replicators"
-            " (lightning_hetero.flexdemo), which do not exist yet. Use mode='mean' or mode='sign'."
-        )
+    """Return ``mode`` if it is one of :data:`MODES`; raise a clear error otherwise."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}.")
     return mode
 
 
 def wire_dtype(mode: str, grad_dtype: torch.dtype, weighted: bool, group_size: int) -> torch.dtype:
-    """The dtype a bucket travels in: the gradient dtype for ``mean``; int8 votes for ``sign`` (float32 if weighted,
-    int32 beyond 127 voters)."""
-    if check_mode(mode) == "mean":
+    """The dtype a bucket is built in: the gradient dtype for ``mean`` and ``demo`` (which then packs DCT top-k bytes);
+    int8 votes for ``sign`` (float32 if weighted, int32 beyond 127 voters)."""
+    if check_mode(mode) != "sign":
         return grad_dtype
     if weighted:
         return torch.float32
@@ -532,8 +527,11 @@ def bytes_per_step(
 
     Per bucket of ``n`` members and ``S`` bytes, each member moves ``2 * (n - 1) * S // n`` each way
     (:func:`~lightning_hetero.comm.ledger.wire_bytes`); a rank's total is the sum over the buckets it belongs to.
-    Arguments as for :func:`bucket_numels`. Returns one count per rank.
+    Arguments as for :func:`bucket_numels`. Returns one count per rank. For ``mode="demo"`` use
+    :func:`~lightning_hetero.matformer.compressed.demo_bytes_per_step`.
     """
+    if mode == "demo":
+        raise ValueError("bytes_per_step counts all-reduces; for mode='demo' use compressed.demo_bytes_per_step.")
     totals = [0] * layout.world_size
     buckets = bucket_numels(
         layout, ffn_params, param_shapes, mode=mode, dtypes=dtypes, tier_weights=tier_weights, helpers=helpers

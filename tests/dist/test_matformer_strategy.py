@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_hetero import MatFormerStrategy
 from lightning_hetero.fabric import MatFormerStrategy as FabricMatFormerStrategy
 from lightning_hetero.matformer import find_ffns
+from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.models import CausalLMModule
 
 VOCAB = 64
@@ -182,6 +183,36 @@ def test_resume_is_bit_identical_on_every_rank(tiered_run, tmp_path):
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(again["optimizer"]["state"][index][key]))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_mode_trains_both_tiers_and_resumes_bit_identically(tmp_path):
+    """mode="demo" at compression 1/4: both tiers learn, shared weights stay identical, and the checkpoint carries
+    every rank's error-feedback buffers, so resuming replays the straight run bit for bit."""
+
+    def strategy() -> MatFormerStrategy:
+        return MatFormerStrategy(tiers=[0, 1], mode="demo", compression=0.25, start_method="spawn")
+
+    straight = _fit(tmp_path / "straight", TinyLlamaModule(), strategy(), 8, gradient_clip_val=CLIP)
+    for record in straight:
+        assert sum(record["losses"][-2:]) / 2 < record["losses"][0] - 0.3, record["losses"]
+    ffn = {spec.name: spec for block in find_ffns(TinyLlamaModule()) for spec in block.parameters}
+    for name, value in straight[0]["state"].items():
+        other = straight[1]["state"][name]
+        expected = value.narrow(ffn[name].axis, 0, other.shape[ffn[name].axis]) if name in ffn else value
+        assert torch.equal(other, expected), name
+    checkpoint = tmp_path / "step4.ckpt"
+    _fit(tmp_path / "first", TinyLlamaModule(), strategy(), 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
+    buffers = torch.load(checkpoint, weights_only=True)[CHECKPOINT_KEY]
+    # One buffer per rank: the 2-rank bucket (tier 0's suffix has one member, sent exactly, no buffer).
+    assert buffers["world_size"] == 2 and buffers["ranks"][0].keys() == buffers["ranks"][1].keys()
+    assert len(buffers["ranks"][0]) == 1 and not torch.equal(*(next(iter(r.values())) for r in buffers["ranks"]))
+    resumed = _fit(tmp_path / "resumed", TinyLlamaModule(), strategy(), 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
+    for rank, (first, again) in enumerate(zip(straight, resumed, strict=True)):
+        assert again["losses"] == first["losses"][4:], rank
+        for name, value in first["state"].items():
+            assert torch.equal(value, again["state"][name]), (rank, name)
+
+
 @pytest.mark.timeout(120)
 def test_helpers_on_full_weights_keep_every_replica_identical(tmp_path):
     """slice_weights=False with helpers: tier 1 trains its prefix plus a rotating draw of tail neurons through the
@@ -261,8 +292,9 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_fabric_tiers_train_both_and_resume(tmp_path):
-    strategy = FabricMatFormerStrategy(tiers=[0, 1], start_method="spawn")
+@pytest.mark.parametrize("options", [{}, {"mode": "demo", "compression": 0.25}], ids=["mean", "demo"])
+def test_fabric_tiers_train_both_and_resume(tmp_path, options):
+    strategy = FabricMatFormerStrategy(tiers=[0, 1], start_method="spawn", **options)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_fabric_train, tmp_path)
     tier0, tier1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hetero.comm import ByteLedger
+from lightning_hetero.comm import ByteLedger, get_ledger
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.compressed import CompressedExchange, build_demo_replicator
 from lightning_hetero.matformer.tiers import HelperConfig, widths_for
 from lightning_hetero.matformer.types import FFNParameter
 
@@ -27,10 +28,34 @@ def test_world_of_one_mean_is_identity_and_sign_keeps_zeros() -> None:
 
 
 def test_bad_modes() -> None:
-    with pytest.raises(NotImplementedError, match="mode='demo'.*not available yet"):
-        aggregate_gradients(_grads(), [UP], widths_for([0], 8), "demo")
     with pytest.raises(ValueError, match="mode must be one of"):
         aggregate_gradients(_grads(), [UP], widths_for([0], 8), "avg")
+
+
+def test_demo_in_a_world_of_one_is_exact_and_keeps_no_state() -> None:
+    groups = RegionGroups(widths_for([0], 8))
+    exchange = CompressedExchange(groups, 1 / 8)
+    grads = _grads()
+    with get_ledger().capture() as seen:
+        aggregate_gradients(grads, [UP], groups, "demo", exchange=exchange)
+    assert torch.equal(grads["up"], _grads()["up"]) and seen.totals().calls == 0  # a single member: nothing sent
+    assert exchange.errors == {} and exchange.replicators == {}
+
+
+def test_demo_errors_name_the_fix() -> None:
+    groups = RegionGroups(widths_for([0], 8))
+    with pytest.raises(ValueError, match=r"mode='demo' needs exchange=CompressedExchange"):
+        aggregate_gradients(_grads(), [UP], groups, "demo")
+    with pytest.raises(ValueError, match="built on other RegionGroups"):
+        aggregate_gradients(_grads(), [UP], widths_for([0], 8), "demo", exchange=CompressedExchange(groups))
+    with pytest.raises(ValueError, match="exchange= is only used by mode='demo'"):
+        aggregate_gradients(_grads(), [UP], groups, "mean", exchange=CompressedExchange(groups))
+    with pytest.raises(ValueError, match=r"drop label=/ledger= and use comm.get_ledger\(\).capture"):
+        aggregate_gradients(_grads(), [UP], groups, "demo", ledger=ByteLedger(), exchange=CompressedExchange(groups))
+    with pytest.raises(ValueError, match=r"compression must be a number in \(0, 1\]"):
+        CompressedExchange(groups, 0.0)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['combine'\]"):
+        build_demo_replicator(0.5, {"combine": "pickers"})
 
 
 @pytest.mark.parametrize(

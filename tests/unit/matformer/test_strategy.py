@@ -67,7 +67,20 @@ def _llama(seed: int = 0) -> LlamaForCausalLM:
         ({"helper_fraction": -1.0, "slice_weights": False}, ValueError, "helper_fraction=-1.0"),
         ({"helper_redraw_every": 0}, ValueError, "helper_redraw_every=0"),
         ({"mode": "avg"}, ValueError, r"mode='avg'.*mean"),
-        ({"mode": "demo"}, NotImplementedError, "not available yet"),
+        ({"compression": 0.25}, ValueError, r"mode='mean'.*compression= and demo_options= only apply to mode='demo'"),
+        ({"demo_options": {"chunk": 8}}, ValueError, r"only apply to mode='demo'"),
+        ({"mode": "demo", "compression": 0.0}, ValueError, r"compression=0\.0.*fraction of coefficients kept"),
+        ({"mode": "demo", "compression": 1.5}, ValueError, r"compression=1\.5.*\(0, 1\]"),
+        ({"mode": "demo", "demo_options": {"chunk": 0}}, ValueError, r"demo_options=\{'chunk': 0\}.*chunk must be"),
+        ({"mode": "demo", "demo_options": {"values": "int4"}}, ValueError, r"demo_options=.*int4"),
+        ({"mode": "demo", "demo_options": {"combine": "pickers"}}, ValueError, r"unknown key\(s\) \['combine'\]"),
+        ({"mode": "demo", "demo_options": {"chunk": 128, "index_bits": 12}}, ValueError, r"index_bits=12 cannot"),
+        ({"mode": "demo", "demo_options": [8]}, ValueError, r"demo_options=\[8\]\): give a dict"),
+        (
+            {"mode": "demo", "helper_fraction": 0.5, "slice_weights": False},
+            ValueError,
+            r"mode='demo', helper_fraction=0\.5.*Set helper_fraction=0",
+        ),
         ({"tiers": [0, 1, 2], "tier_weights": [1.0, 2.0]}, ValueError, r"one weight per tier 0\.\.2"),
         ({"tier_weights": [1.0, 0.0]}, ValueError, r"weight 1 must be finite and > 0"),
     ],
@@ -75,6 +88,14 @@ def _llama(seed: int = 0) -> LlamaForCausalLM:
 def test_argument_errors_name_the_argument(cls, kwargs, error, match):
     with pytest.raises(error, match=match):
         cls(**kwargs)
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_demo_arguments_are_accepted(cls):
+    strategy = cls(tiers=[0, 1], mode="demo", compression=0.25, demo_options={"chunk": 16, "values": "bf16"})
+    assert strategy.runtime.mode == "demo" and strategy.runtime.compression == 0.25
+    assert strategy.runtime.demo_options == {"chunk": 16, "values": "bf16"}
+    assert cls(mode="demo").runtime.exchange is None  # built at setup, on the region groups
 
 
 def _trainer(strategy: MatFormerStrategy, **kwargs) -> L.Trainer:

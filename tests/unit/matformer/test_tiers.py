@@ -212,12 +212,11 @@ def test_tier_weights_resolve_per_layer_and_weight_the_denominator() -> None:
 
 # ---------------------------------------------------------------------------------------------------- modes, bytes
 def test_modes() -> None:
-    assert check_mode("mean") == "mean" and check_mode("sign") == "sign"
-    with pytest.raises(NotImplementedError, match="not available yet.*FlexDeMo replicators"):
-        check_mode("demo")
+    assert check_mode("mean") == "mean" and check_mode("sign") == "sign" and check_mode("demo") == "demo"
     with pytest.raises(ValueError, match="mode must be one of"):
         check_mode("median")
     assert wire_dtype("mean", torch.bfloat16, True, 4) == torch.bfloat16
+    assert wire_dtype("demo", torch.bfloat16, True, 200) == torch.bfloat16  # buckets built in the grad dtype
     assert wire_dtype("sign", torch.bfloat16, False, 127) == torch.int8
     assert wire_dtype("sign", torch.float32, False, 128) == torch.int32
     assert wire_dtype("sign", torch.float32, True, 4) == torch.float32

@@ -1,0 +1,333 @@
+"""``mode="demo"``: the per-region gradient exchange compressed with the FlexDeMo DeMo replicator.
+
+Each bucket of :func:`~lightning_hetero.matformer.aggregate.aggregate_gradients` (all pieces shared by one rank set,
+in one dtype) keeps an fp32 error-feedback buffer on every member. Per step and bucket with more than one member:
+
+1. ``error += contribution`` (this rank's weighted gradient slabs, exactly what ``mean`` would all-reduce);
+2. every slab of ``error`` is encoded by a :class:`~lightning_hetero.flexdemo.replicators.DeMoReplicator` bound to
+   the rank set's process group: top-k of its chunked DCT-II, and what was sent (dequantized) is subtracted from
+   ``error`` in place, so everything not sent stays for later steps;
+3. the bucket's packed bytes are all-gathered among the members only (one async collective per bucket, ledger label
+   ``"inter"``), every member decodes all members' coefficients in rank order (bit-identical results everywhere);
+4. the decoded mean times the member count is the (weighted) sum, which the caller divides by the contributor
+   weights, as in ``mean``.
+
+A bucket holds only slabs the rank trained (helpers, which send zeros for untrained neurons, are rejected), so no
+untrained coordinate is ever encoded. Single-member buckets are exact and send nothing. The buffers are per rank;
+:meth:`CompressedExchange.gather_state` collects them on rank 0 for the (single) checkpoint file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero import comm
+from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, build_replicator
+from lightning_hetero.matformer.aggregate import RegionGroups
+from lightning_hetero.matformer.tiers import HelperConfig, TierLayout, layer_regions
+from lightning_hetero.matformer.types import FFNParameter
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "CHECKPOINT_LABEL",
+    "DEFAULT_COMPRESSION",
+    "DEMO_OPTIONS",
+    "CompressedExchange",
+    "build_demo_replicator",
+    "check_demo_arguments",
+    "demo_bytes_per_step",
+    "demo_payload_bytes",
+]
+
+DEFAULT_COMPRESSION = 1 / 32
+"""Fraction of DCT coefficients kept per chunk when ``compression`` is not given."""
+DEMO_OPTIONS = ("chunk", "values", "index_bits")
+"""Keys ``demo_options`` may hold (passed to :class:`~lightning_hetero.flexdemo.replicators.DeMoReplicator`)."""
+CHECKPOINT_KEY = "matformer_error_feedback"
+"""Checkpoint entry with every rank's error-feedback buffers."""
+CHECKPOINT_LABEL = "checkpoint"
+"""Ledger label of the one-off transfer of the buffers to rank 0 when a checkpoint is saved."""
+
+
+def build_demo_replicator(compression: float | None = None, options: Mapping[str, Any] | None = None) -> DeMoReplicator:
+    """A DeMo replicator for ``compression`` and ``options`` (``chunk``, ``values``, ``index_bits``).
+
+    Raises:
+        ValueError: An unknown option or an invalid value; the message names the argument.
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(DEMO_OPTIONS))
+    if unknown:
+        raise ValueError(f"demo_options has unknown key(s) {unknown}; it accepts {list(DEMO_OPTIONS)}.")
+    replicator = build_replicator("demo", DEFAULT_COMPRESSION if compression is None else compression, **options)
+    assert isinstance(replicator, DeMoReplicator)
+    return replicator
+
+
+def check_demo_arguments(
+    owner: str, mode: str, compression: Any, demo_options: Any, helper_fraction: Any = 0.0
+) -> None:
+    """Strategy-level checks of the ``demo`` arguments; every error names the argument and the fix.
+
+    ``compression`` and ``demo_options`` are None unless given; giving them with another mode is an error.
+    """
+    if mode != "demo":
+        if compression is not None or demo_options is not None:
+            raise ValueError(
+                f"{owner}(mode={mode!r}): compression= and demo_options= only apply to mode='demo'; drop them or set"
+                " mode='demo'."
+            )
+        return
+    if isinstance(helper_fraction, (int, float)) and helper_fraction > 0:
+        raise ValueError(
+            f"{owner}(mode='demo', helper_fraction={helper_fraction}): helpers send zeros for the tail neurons they"
+            " did not draw, which DeMo would encode into its error feedback. Set helper_fraction=0, or use"
+            " mode='mean' or 'sign' with helpers."
+        )
+    if demo_options is not None and not isinstance(demo_options, Mapping):
+        raise ValueError(f"{owner}(demo_options={demo_options!r}): give a dict with keys {list(DEMO_OPTIONS)}.")
+    try:
+        build_demo_replicator(compression, demo_options)
+    except ValueError as error:
+        name = "compression" if str(error).startswith("compression") else "demo_options"
+        given = compression if name == "compression" else demo_options
+        raise ValueError(f"{owner}({name}={given!r}): {error}") from None
+
+
+@dataclass
+class _Launched:
+    """One bucket in flight."""
+
+    replicator: DeMoReplicator
+    bucket: Bucket
+    members: int
+
+
+class CompressedExchange:
+    """Error-feedback state and one DeMo replicator per rank set, for ``aggregate_gradients(mode="demo")``.
+
+    Build it once at setup, on every rank, after the :class:`RegionGroups` (it only reuses their process groups).
+
+    Args:
+        groups: The run's region groups; must have no helpers.
+        compression: Fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
+        chunk: DCT block side (default 64).
+        values: Value encoding on the wire: ``"fp32"`` (default), ``"bf16"``, ``"sign"`` or ``"ternary"``.
+        index_bits: 12 or 16 (default: 12 when ``chunk * chunk <= 4096``).
+
+    Raises:
+        ValueError: Helpers are active, or a bad compression option.
+    """
+
+    def __init__(
+        self,
+        groups: RegionGroups,
+        compression: float | None = None,
+        *,
+        chunk: int | None = None,
+        values: str | None = None,
+        index_bits: int | None = None,
+    ) -> None:
+        if groups.helpers:
+            raise ValueError(
+                "mode='demo' cannot be combined with helpers (helper_fraction > 0): a helper sends zeros for the tail"
+                " neurons it did not draw, and DeMo would encode those untrained coordinates into its error feedback."
+                " Use helper_fraction=0 with mode='demo', or mode='mean'/'sign' with helpers."
+            )
+        self.groups = groups
+        self.options = {"chunk": chunk, "values": values, "index_bits": index_bits}
+        self.compression = DEFAULT_COMPRESSION if compression is None else compression
+        template = build_demo_replicator(self.compression, self.options)  # validates before any group is touched
+        self.compression = template.compression
+        initialized = dist.is_available() and dist.is_initialized()
+        world = tuple(range(groups.layout.world_size))
+        self.replicators: dict[tuple[int, ...], DeMoReplicator] = {}
+        """One replicator per rank set with more than one member, bound to that set's process group."""
+        for members in groups.member_sets:
+            if len(members) > 1 and groups.rank in members:
+                replicator = build_demo_replicator(self.compression, self.options)
+                group = groups.group(members)
+                replicator.setup(dist.group.WORLD if group is None and members == world and initialized else group)
+                self.replicators[members] = replicator
+        self.errors: dict[str, torch.Tensor] = {}
+        """fp32 error-feedback buffer of every bucket this rank exchanged, keyed by :meth:`bucket_key`."""
+        self._loaded: set[str] = set()
+
+    @staticmethod
+    def bucket_key(members: tuple[int, ...], dtype: torch.dtype, numel: int) -> str:
+        """The key of a bucket's buffer: its rank set, gradient dtype and size (identical on every member)."""
+        return f"{','.join(map(str, members))}|{str(dtype).removeprefix('torch.')}|{numel}"
+
+    def payload_bytes(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> int:
+        """Bytes one member contributes for a bucket of slabs of these shapes (the replicator's formula)."""
+        return build_demo_replicator(self.compression, self.options).payload_bytes(shapes)
+
+    # ------------------------------------------------------------------------------------------------ exchange
+    def launch(self, members: tuple[int, ...], contribution: torch.Tensor, shapes: Sequence[torch.Size]) -> _Launched:
+        """Add ``contribution`` (the flat bucket) to its error buffer, encode each slab, start the all-gather."""
+        replicator = self.replicators.get(members)
+        if replicator is None:
+            raise KeyError(f"rank {self.groups.rank} exchanges nothing with ranks {members} (not a multi-rank set).")
+        key = self.bucket_key(members, contribution.dtype, contribution.numel())
+        error = self._buffer(key, contribution)
+        error.add_(contribution)
+        pieces, offset = [], 0
+        for index, shape in enumerate(shapes):
+            numel = math.prod(shape)
+            pieces.append(replicator.encode(index, error[offset : offset + numel].view(shape)))
+            offset += numel
+        if offset != error.numel():
+            raise ValueError(f"bucket {key}: slab shapes cover {offset} elements, the bucket has {error.numel()}.")
+        return _Launched(replicator, replicator.launch(pieces), len(members))
+
+    def finish(self, launched: _Launched, views: Sequence[torch.Tensor]) -> None:
+        """Wait for the bucket and write the decoded (weighted) sum of every slab into ``views``."""
+        decoded = launched.replicator.finish(launched.bucket)
+        for view, mean in zip(views, decoded, strict=True):
+            view.copy_(mean.mul_(launched.members))
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        elif error.device != like.device:
+            error = self.errors[key] = error.to(like.device)
+        self._loaded.discard(key)
+        return error
+
+    def check_loaded_state_used(self) -> None:
+        """Warn once if buffers restored from a checkpoint matched no bucket of this run (a different config)."""
+        if self._loaded:
+            warnings.warn(
+                f"rank {self.groups.rank}: error-feedback buffers {sorted(self._loaded)} from the checkpoint match no"
+                " gradient bucket of this run (different tiers, model or dtype?); they are dropped.",
+                stacklevel=2,
+            )
+            for key in self._loaded:
+                self.errors.pop(key, None)
+            self._loaded = set()
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback buffers (copies), by bucket key."""
+        return {key: error.detach().clone() for key, error in sorted(self.errors.items())}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the buffers by ``state`` (moved to the bucket's device on first use)."""
+        self.errors = {key: value.detach().to(torch.float32).clone().flatten() for key, value in state.items()}
+        self._loaded = set(self.errors)
+
+    def gather_state(self, device: torch.device) -> list[dict[str, torch.Tensor]] | None:
+        """Every rank's :meth:`state_dict` on rank 0 (CPU tensors), None on the other ranks (collective).
+
+        The sizes travel first (one small all-gather), then each rank sends its keys and its buffers concatenated to
+        rank 0 (point to point, so only rank 0 holds more than its own state), labelled :data:`CHECKPOINT_LABEL`.
+        """
+        state = self.state_dict()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [{key: value.cpu() for key, value in state.items()}]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        keys = json.dumps(list(state)).encode()
+        flat = torch.cat([v.to(device) for v in state.values()]) if state else torch.zeros(0, device=device)
+        sizes = torch.tensor([len(keys), flat.numel()], dtype=torch.int64, device=device)
+        every = torch.empty(2 * world, dtype=torch.int64, device=device)
+        comm.all_gather_into_tensor(every, sizes, label=CHECKPOINT_LABEL)
+        every_size = every.view(world, 2).tolist()
+        if rank != 0:
+            if keys:
+                comm.send(torch.tensor(list(keys), dtype=torch.uint8, device=device), 0, label=CHECKPOINT_LABEL)
+            if flat.numel():
+                comm.send(flat, 0, label=CHECKPOINT_LABEL)
+            return None
+        out = [{key: value.cpu() for key, value in state.items()}]
+        for source in range(1, world):
+            key_bytes, numel = every_size[source]
+            raw = torch.empty(key_bytes, dtype=torch.uint8, device=device)
+            values = torch.empty(numel, dtype=torch.float32, device=device)
+            if key_bytes:
+                comm.recv(raw, source, label=CHECKPOINT_LABEL)
+            if numel:
+                comm.recv(values, source, label=CHECKPOINT_LABEL)
+            names = json.loads(bytes(raw.cpu().tolist()).decode()) if key_bytes else []
+            numels = [int(name.rsplit("|", 1)[1]) for name in names]
+            out.append(dict(zip(names, (v.clone() for v in values.cpu().split(numels)), strict=True)))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- bytes
+def _bucket_shapes(
+    layout: TierLayout,
+    ffn_params: Sequence[FFNParameter],
+    param_shapes: Mapping[str, Sequence[int]],
+    helpers: Mapping[int, HelperConfig] | None = None,
+) -> dict[tuple[int, ...], list[tuple[int, ...]]]:
+    """The slab shapes of every rank set's bucket (one dtype assumed), in no particular order."""
+    ffn = {param.name: param for param in ffn_params}
+    everyone = tuple(range(layout.world_size))
+    buckets: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for name, shape in param_shapes.items():
+        if name not in ffn:
+            buckets.setdefault(everyone, []).append(tuple(shape))
+            continue
+        param = ffn[name]
+        for region in layer_regions(layout, param.layer, helpers):
+            slab = list(shape)
+            slab[param.axis] = region.size
+            buckets.setdefault(region.members, []).append(tuple(slab))
+    return buckets
+
+
+def demo_payload_bytes(
+    layout: TierLayout,
+    ffn_params: Sequence[FFNParameter],
+    param_shapes: Mapping[str, Sequence[int]],
+    *,
+    compression: float | None = None,
+    demo_options: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Bytes each rank contributes per step in ``mode="demo"`` (the ledger's ``payload_bytes`` of its gathers).
+
+    Per rank: the sum, over the buckets of the rank sets it belongs to that have more than one member, of the DeMo
+    payload of each slab: ``index_nbytes(B * k, index_bits) + value_nbytes(B * k, values, B)`` with ``B`` the slab's
+    DCT blocks and ``k = max(1, floor(compression * block_numel))``. Arguments as for
+    :func:`~lightning_hetero.matformer.tiers.bucket_numels` (full shapes of every parameter with a gradient).
+    """
+    replicator = build_demo_replicator(compression, demo_options)
+    totals = [0] * layout.world_size
+    for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
+        if len(members) > 1:
+            payload = replicator.payload_bytes(shapes)
+            for rank in members:
+                totals[rank] += payload
+    return totals
+
+
+def demo_bytes_per_step(
+    layout: TierLayout,
+    ffn_params: Sequence[FFNParameter],
+    param_shapes: Mapping[str, Sequence[int]],
+    *,
+    compression: float | None = None,
+    demo_options: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Bytes each rank sends (and receives) per step in ``mode="demo"``: ``(n - 1) * payload`` per bucket of ``n``.
+
+    The all-gather rule of :func:`~lightning_hetero.comm.ledger.wire_bytes`; compare with
+    :func:`~lightning_hetero.matformer.tiers.bytes_per_step` for ``mean``.
+    """
+    replicator = build_demo_replicator(compression, demo_options)
+    totals = [0] * layout.world_size
+    for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
+        if len(members) > 1:
+            sent = (len(members) - 1) * replicator.payload_bytes(shapes)
+            for rank in members:
+                totals[rank] += sent
+    return totals
