@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 register_builtin_strategies()
 
+from lightning_hetero.flexdemo.strategy import FlexDeMoStrategy  # noqa: E402  (already imported by the registry)
 from lightning_hetero.matformer.strategy import MatFormerStrategy  # noqa: E402  (already imported by the registry)
 
-__all__ = ["MatFormerStrategy", "__version__"]
+__all__ = ["FlexDeMoStrategy", "MatFormerStrategy", "__version__"]

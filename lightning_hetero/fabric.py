@@ -3,6 +3,7 @@
 ``Fabric(strategy=MatFormerStrategy(tiers=[0, 1]))`` or ``Fabric(strategy="matformer")``.
 """
 
+from lightning_hetero.flexdemo.fabric import FlexDeMoStrategy
 from lightning_hetero.matformer.fabric import MatFormerStrategy
 
-__all__ = ["MatFormerStrategy"]
+__all__ = ["FlexDeMoStrategy", "MatFormerStrategy"]

@@ -1,11 +1,14 @@
-"""One rank of a baseline benchmark: stock Lightning DDP, stock FSDP2 HSDP, or a single process (compute only).
+"""One rank of a benchmark: stock Lightning DDP, stock FSDP2 HSDP, FlexDeMo, or a single process (compute only).
 
-Run by ``recipes/bench_baselines.py`` under the bandwidth testbed, which starts every rank itself with a
-torchrun-style environment (so Lightning detects torchelastic and does not spawn). Each step's wall time and the
-node's veth byte counters (``/sys/class/net/eth0/statistics`` inside the testbed namespace) are recorded; rank 0
-writes a JSON summary to ``--out``.
+Run by ``recipes/bench_baselines.py`` and ``recipes/bench_flexdemo.py`` under the bandwidth testbed, which starts
+every rank itself with a torchrun-style environment (so Lightning detects torchelastic and does not spawn). Each
+step's wall time and the node's veth byte counters (``/sys/class/net/eth0/statistics`` inside the testbed namespace)
+are recorded; rank 0 writes a JSON summary to ``--out``.
 
     python recipes/bench_worker.py --strategy single --steps 12 --out /tmp/single.json
+
+With ``--val-every N`` the validation loss (``--val-batches`` batches of rank 0's validation shard) is recorded every
+``N`` steps; validation time is not part of the step times.
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ class StepRecorder(L.Callback):
             self.step_wire.append((wire_end[0] - self._wire_start[0], wire_end[1] - self._wire_start[1]))
 
 
+class ValidationRecorder(L.Callback):
+    """``(global step, val/loss)`` after every validation run."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if loss is not None and not trainer.sanity_checking:
+            self.losses.append((trainer.global_step, float(loss)))
+
+
 class HSDPCausalLM(CausalLMModule):
     """The reference causal LM with FSDP2 ``fully_shard`` on the strategy's 2-D mesh (replicate x shard = HSDP)."""
 
@@ -91,7 +107,13 @@ class HSDPStrategy(ModelParallelStrategy):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=["single", "ddp", "hsdp"], required=True)
+    parser.add_argument("--strategy", choices=["single", "ddp", "hsdp", "flexdemo"], required=True)
+    parser.add_argument("--replicator", default="demo", help="flexdemo: demo, random, striding, diloco, full, topk")
+    parser.add_argument("--compression", type=float, default=1 / 32, help="flexdemo: fraction of coefficients kept")
+    parser.add_argument("--values", default=None, help="flexdemo: fp32, bf16, sign or ternary (replicator default)")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
+    parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--preset", default="llama-tiny")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics")
@@ -106,27 +128,38 @@ def main() -> None:
     num_nodes = world_size // ranks_per_node
     L.seed_everything(0, verbose=False)
     data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
+    options = {"preset": args.preset, "warmup_steps": 0, "learning_rate": args.learning_rate}
     if args.strategy == "single":
-        module, strategy = CausalLMModule(preset=args.preset, warmup_steps=0), "auto"
+        module, strategy = CausalLMModule(**options), "auto"
     elif args.strategy == "ddp":
-        module, strategy = CausalLMModule(preset=args.preset, warmup_steps=0), DDPStrategy()
+        module, strategy = CausalLMModule(**options), DDPStrategy()
+    elif args.strategy == "flexdemo":
+        from lightning_hetero import FlexDeMoStrategy
+
+        module = CausalLMModule(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
+        strategy = FlexDeMoStrategy(
+            replicator=args.replicator, compression=args.compression, replicator_options={"values": args.values}
+        )
     else:
-        module = HSDPCausalLM(preset=args.preset, warmup_steps=0)
+        module = HSDPCausalLM(**options)
         strategy = HSDPStrategy(data_parallel_size=num_nodes, tensor_parallel_size=ranks_per_node)
     recorder = StepRecorder(read_wire=args.wire_counters)
+    validation = ValidationRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=ranks_per_node,
         num_nodes=num_nodes,
         strategy=strategy,
         max_steps=args.steps,
-        limit_val_batches=0,
+        limit_val_batches=args.val_batches if args.val_every else 0,
+        val_check_interval=args.val_every or None,
+        check_val_every_n_epoch=None if args.val_every else 1,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[recorder, validation],
     )
     trainer.fit(module, datamodule=data)
     if trainer.global_rank != 0:
@@ -152,6 +185,10 @@ def main() -> None:
         # This node's eth0 during the measured steps: (tx, rx) bytes per step; None outside the testbed.
         "wire_tx_bytes_per_step": statistics.median(tx for tx, _ in wire) if wire else None,
         "wire_rx_bytes_per_step": statistics.median(rx for _, rx in wire) if wire else None,
+        "val_losses": validation.losses,
+        "replicator": args.replicator if args.strategy == "flexdemo" else None,
+        "compression": args.compression if args.strategy == "flexdemo" else None,
+        "values": args.values if args.strategy == "flexdemo" else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))

@@ -51,6 +51,19 @@ BUILTIN_STRATEGIES.extend(
             description="Tiered MatFormer DDP with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
+        StrategySpec(
+            "flexdemo",
+            "lightning_hetero.flexdemo.strategy:FlexDeMoStrategy",
+            "lightning_hetero.flexdemo.fabric:FlexDeMoStrategy",
+            description="FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes",
+        ),
+        StrategySpec(
+            "flexdemo_spawn",
+            "lightning_hetero.flexdemo.strategy:FlexDeMoStrategy",
+            "lightning_hetero.flexdemo.fabric:FlexDeMoStrategy",
+            description="FlexDeMo with start_method='spawn'",
+            init_params={"start_method": "spawn"},
+        ),
     ]
 )
 

@@ -1,0 +1,146 @@
+"""FlexDeMo's sharded checkpoint: a directory with one file per rank plus a metadata file.
+
+Layout of ``<path>/`` (``path`` is what the Trainer/Fabric was asked to save to, e.g. ``epoch=0-step=3.ckpt``)::
+
+    meta.pt            rank 0: format, version, world size, shard size, replicas, global parameter shapes
+    rank_00000.pt      rank 0's whole checkpoint: model state with *local* shards, optimizer state (momentum, error
+    rank_00001.pt      feedback, Adam moments, the replicator's step/RNG/stride/DiLoCo state), loops, schedulers, ...
+
+Every file is a plain ``torch.save`` of tensors that are not DTensors, so loading needs no process group and no
+DCP. Replicas hold identical copies, so the files of replica ``r > 0`` duplicate replica 0's parameters; they are
+kept because per-rank optimizer state (error feedback) differs between replicas. Resuming needs the same world size
+and shard size (the shards are not re-cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_hetero import comm
+from lightning_hetero.flexdemo.topology import Topology
+
+__all__ = [
+    "FORMAT",
+    "META_FILE",
+    "full_state_dict",
+    "is_sharded_checkpoint",
+    "load_local_module_state",
+    "local_module_state",
+    "rank_file",
+    "read_meta",
+]
+
+FORMAT = "flexdemo-sharded"
+VERSION = 1
+META_FILE = "meta.pt"
+
+
+def rank_file(path: str | Path, rank: int) -> Path:
+    """The file of ``rank`` inside a sharded checkpoint directory."""
+    return Path(path) / f"rank_{rank:05d}.pt"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a FlexDeMo sharded checkpoint directory."""
+    return (Path(path) / META_FILE).is_file()
+
+
+def make_meta(module: nn.Module, topology: Topology) -> dict[str, Any]:
+    """Metadata written by rank 0 next to the rank files."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": topology.world_size,
+        "shard_size": topology.shard_size,
+        "num_replicas": topology.num_replicas,
+        "shapes": {name: list(t.shape) for name, t in module.state_dict().items() if isinstance(t, Tensor)},
+    }
+
+
+def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any]:
+    """Read and check ``meta.pt`` against the running layout.
+
+    Raises:
+        ValueError: not a FlexDeMo checkpoint, or saved with another world size or shard size.
+    """
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise ValueError(f"{owner}: {path} is not a FlexDeMo sharded checkpoint (no {META_FILE}).")
+    meta = torch.load(meta_path, weights_only=True)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{owner}: {meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}.")
+    saved = (meta["world_size"], meta["shard_size"])
+    if saved != (topology.world_size, topology.shard_size):
+        raise ValueError(
+            f"{owner}: the checkpoint {path} was saved by {saved[0]} ranks with shard_size={saved[1]}, but this run "
+            f"has {topology.world_size} ranks with shard_size={topology.shard_size}. Resume with the same layout "
+            "(shards are not re-cut)."
+        )
+    return meta
+
+
+def local_module_state(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every DTensor replaced by a detached copy of its local shard."""
+    return {
+        name: (value.to_local().detach().clone() if isinstance(value, DTensor) else value)
+        for name, value in module.state_dict().items()
+    }
+
+
+@torch.no_grad()
+def load_local_module_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True, owner: str = "") -> None:
+    """Copy a :func:`local_module_state` into ``module`` in place (shards into the local shards).
+
+    Raises:
+        KeyError: ``strict`` and the keys differ.
+        ValueError: a local shard's shape differs (another layout or model).
+    """
+    current = module.state_dict()
+    missing = sorted(set(current) - set(state))
+    unexpected = sorted(set(state) - set(current))
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"{owner}: checkpoint keys differ from the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    for name, target in current.items():
+        if name not in state:
+            continue
+        local = target.to_local() if isinstance(target, DTensor) else target
+        value = state[name]
+        value = value.to_local() if isinstance(value, DTensor) else value
+        if local.shape != value.shape:
+            raise ValueError(
+                f"{owner}: {name} has local shape {tuple(value.shape)} in the checkpoint but {tuple(local.shape)} here "
+                "(another model or shard layout)."
+            )
+        local.copy_(value)
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module, topology: Topology, label: str = comm.INTRA) -> dict[str, Tensor]:
+    """The unsharded state dict (CPU tensors) on every rank: collective over each shard group.
+
+    Each Shard(0) DTensor is padded to ``ceil(rows / shard_size)`` rows, all-gathered inside the model copy and cut
+    back; plain tensors are copied.
+    """
+    out: dict[str, Tensor] = {}
+    for name, value in module.state_dict().items():
+        if not isinstance(value, Tensor):
+            continue
+        if not isinstance(value, DTensor) or topology.shard_group is None:
+            out[name] = (value.to_local() if isinstance(value, DTensor) else value).detach().cpu().clone()
+            continue
+        local, rows = value.to_local(), value.shape[0]
+        chunk = -(-rows // topology.shard_size)
+        padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]] = local
+        gathered = torch.empty((chunk * topology.shard_size, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(gathered, padded, group=topology.shard_group, label=label)
+        out[name] = gathered[:rows].cpu().clone()
+    return out

@@ -1,0 +1,87 @@
+"""Replica drift guard: a bitwise checksum of every parameter shard, compared across the replicate group.
+
+Replicas must stay bit-identical (every replicator decodes deterministically in a fixed rank order). A silent
+divergence (a nondeterministic kernel, a rank that skipped a step, a bad checkpoint load) would otherwise train
+several different models that merely share gradients. :func:`check_replica_drift` hashes the raw bits of each local
+shard into two int64 words, all-gathers them over the replicate group (ledger label ``"drift"``, 16 bytes per
+parameter), and then shares a two-int verdict over the world so that every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_hetero import comm
+from lightning_hetero.flexdemo.sharding import local_tensor
+from lightning_hetero.flexdemo.topology import Topology
+
+__all__ = ["DRIFT_LABEL", "ReplicaDriftError", "check_replica_drift", "tensor_checksum"]
+
+DRIFT_LABEL = "drift"
+"""Ledger label of the drift guard's collectives (kept apart from the replicators' ``"inter"`` payload)."""
+
+
+class ReplicaDriftError(RuntimeError):
+    """Replicas of the model no longer hold bit-identical parameters."""
+
+
+@torch.no_grad()
+def tensor_checksum(tensor: Tensor) -> Tensor:
+    """Two int64 words that change when any bit of ``tensor`` changes (sum and position-weighted sum of its words)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=tensor.device)
+    raw = flat.view(torch.uint8)
+    if raw.numel() % 4 == 0:
+        words = raw.view(torch.int32).to(torch.int64)
+    elif raw.numel() % 2 == 0:
+        words = raw.view(torch.int16).to(torch.int64)
+    else:
+        words = raw.to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return torch.stack([words.sum(), (words * weights).sum()])  # int64 overflow wraps identically everywhere
+
+
+@torch.no_grad()
+def check_replica_drift(named_params: Sequence[tuple[str, Tensor]], topology: Topology, step: int) -> None:
+    """Raise :class:`ReplicaDriftError` on every rank if any replica's shard differs from the first replica's.
+
+    Collective over the whole world (every rank must call it at the same step). Nothing happens with one replica.
+
+    Raises:
+        ReplicaDriftError: naming the step, the first differing parameter and the ranks that disagree.
+    """
+    if topology.replicate_group is None:
+        return
+    device = next((p.device for _, p in named_params), torch.device("cpu"))
+    sums = torch.stack([tensor_checksum(local_tensor(p)) for _, p in named_params]) if named_params else None
+    if sums is None:
+        return
+    replicas = topology.num_replicas
+    gathered = torch.empty((replicas * sums.shape[0], 2), dtype=sums.dtype, device=sums.device)
+    comm.all_gather_into_tensor(gathered, sums, group=topology.replicate_group, label=DRIFT_LABEL)
+    gathered = gathered.view(replicas, *sums.shape)
+    differs = (gathered != gathered[:1]).any(dim=-1)  # (replicas, params)
+    bad_params = differs.any(dim=0).nonzero().flatten()
+    first_bad = int(bad_params[0]) if bad_params.numel() else len(named_params)
+    bad_replicas = sum(1 << r for r in range(replicas) if bool(differs[r, first_bad])) if bad_params.numel() else 0
+    verdict = torch.tensor([first_bad, bad_replicas], dtype=torch.int64, device=device)
+    verdicts = torch.empty(topology.world_size * 2, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(verdicts, verdict, label=DRIFT_LABEL)
+    verdicts = verdicts.view(topology.world_size, 2)
+    failing = [(rank, int(v[0]), int(v[1])) for rank, v in enumerate(verdicts.cpu()) if int(v[0]) < len(named_params)]
+    if not failing:
+        return
+    rank, index, mask = min(failing, key=lambda item: (item[1], item[0]))
+    shard = rank % topology.shard_size
+    reference = shard  # the first replica's rank at this shard position
+    disagreeing = [replica * topology.shard_size + shard for replica in range(replicas) if mask >> replica & 1]
+    raise ReplicaDriftError(
+        f"FlexDeMo replica drift at optimizer step {step}: parameter {named_params[index][0]!r} (the first that "
+        f"differs) on rank(s) {disagreeing} is not bit-identical to rank {reference} (first replica, shard position "
+        f"{shard}); {len(failing)} rank(s) saw a mismatch. Replicas must apply identical updates: check for "
+        "nondeterministic kernels, per-rank randomness in the optimizer, or a partial checkpoint load."
+    )

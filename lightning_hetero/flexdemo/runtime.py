@@ -1,0 +1,296 @@
+"""The loop-independent core of the FlexDeMo strategies, shared by the Trainer and Fabric adapters.
+
+:class:`FlexDeMoRuntime` calls no Lightning API. It validates the knobs (a bad replicator or compression fails when
+the strategy is constructed), builds the ``(replicate, shard)`` mesh, shards the model copy with FSDP2 and broadcasts
+the first replica's state, converts and binds the optimizer, installs the overlap hooks, clips with the node's
+gradient norm, runs the drift guard and reports communication statistics. The adapters decide *when*.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_hetero import comm
+from lightning_hetero.flexdemo.conversion import convert_optimizer
+from lightning_hetero.flexdemo.drift import check_replica_drift
+from lightning_hetero.flexdemo.optim import ReplicatingOptimizer
+from lightning_hetero.flexdemo.overlap import OverlapHooks
+from lightning_hetero.flexdemo.replicators import build_replicator
+from lightning_hetero.flexdemo.sharding import (
+    ShardingUnit,
+    apply_activation_checkpointing,
+    broadcast_initial_state,
+    find_blocks,
+    local_tensor,
+    shard_model,
+    sharding_units,
+    warn_no_blocks,
+)
+from lightning_hetero.flexdemo.topology import Topology, build_topology, resolve_shard_size
+
+__all__ = ["FlexDeMoRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+class FlexDeMoRuntime:
+    """Shared FlexDeMo logic: topology, sharding, optimizer binding, overlap, clipping, drift guard, statistics.
+
+    Args:
+        replicator: Replicator name for converted optimizers (``"demo"``, ``"random"``, ``"striding"``,
+            ``"diloco"``, ``"full"``, ``"topk"``).
+        compression: Fraction of coefficients kept, in (0, 1].
+        replicator_options: Extra keyword arguments of ``build_replicator`` (``values``, ``index_bits``, ``chunk``,
+            ``seed``, ``combine``, ``sync_every``, ...).
+        shard_size: Ranks that shard one model copy; None: all ranks of a node. Must divide the ranks per node.
+        drift_check_every: Check every N optimizer steps that replicas are bit-identical (0: never).
+        overlap: Launch each block's inter-node exchange during backward, as soon as its gradients are final.
+        activation_checkpointing: Recompute each block's activations in backward.
+        block_classes: Class names of the blocks to shard (default: found from the model).
+        owner: Class name used in messages.
+    """
+
+    def __init__(
+        self,
+        replicator: str = "demo",
+        compression: float = 1 / 32,
+        replicator_options: Mapping[str, Any] | None = None,
+        shard_size: int | None = None,
+        drift_check_every: int = 0,
+        overlap: bool = True,
+        activation_checkpointing: bool = False,
+        block_classes: list[str] | None = None,
+        owner: str = "FlexDeMoStrategy",
+    ) -> None:
+        self.owner = owner
+        if replicator_options is not None and not isinstance(replicator_options, Mapping):
+            raise ValueError(f"{owner}(replicator_options={replicator_options!r}): give a dict of keyword arguments.")
+        self.replicator_name = replicator
+        self.compression = compression
+        self.replicator_options = dict(replicator_options or {})
+        try:  # fail at construction, not at the first step: A's factory validates every argument
+            probe = self.make_replicator()
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{owner}: {error}") from None
+        self.compresses = bool(getattr(probe, "compresses", True))
+        if shard_size is not None and (
+            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
+        ):
+            raise ValueError(
+                f"{owner}(shard_size={shard_size!r}): use a positive int, or None for all ranks of a node."
+            )
+        if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
+            raise ValueError(f"{owner}(drift_check_every={drift_check_every!r}): use an int >= 0 (0 turns it off).")
+        if block_classes is not None and (
+            isinstance(block_classes, str) or not all(isinstance(c, str) for c in block_classes)
+        ):
+            raise ValueError(
+                f"{owner}(block_classes={block_classes!r}): give a list of class names, e.g. ['LlamaDecoderLayer']."
+            )
+        self.requested_shard_size = shard_size
+        self.drift_check_every = drift_check_every
+        self.overlap = bool(overlap)
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.block_classes = list(block_classes) if block_classes else None
+        self.shard_size: int | None = None
+        self.topology = Topology(world_size=1, rank=0, shard_size=1)
+        self.sharded = False
+        self.block_source = "none"
+        self.units: list[ShardingUnit] = []
+        self.module: nn.Module | None = None
+        self.optimizer: ReplicatingOptimizer | None = None
+        self.conversion = ""
+        """What happened to the user's optimizer (e.g. ``"AdamW converted to DecoupledAdamW (2 param group(s))"``)."""
+        self.hooks: OverlapHooks | None = None
+        self.overlap_active = False
+        self.steps = 0
+        """Optimizer steps completed (drives the drift guard)."""
+        self._inter_sent_before = 0
+        self._drift_due = False
+
+    # ------------------------------------------------------------------------------------------------ config
+    def make_replicator(self) -> Any:
+        """A fresh replicator from the strategy's arguments (one per converted optimizer)."""
+        return build_replicator(self.replicator_name, self.compression, **self.replicator_options)
+
+    def resolve_world(self, world_size: int, ranks_per_node: int) -> int:
+        """Check ``shard_size`` against the launch layout (before processes start); returns the shard size."""
+        self.shard_size = resolve_shard_size(self.requested_shard_size, world_size, ranks_per_node, self.owner)
+        return self.shard_size
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
+        """Build the mesh, shard ``module`` in place and broadcast the first replica's state (collective).
+
+        Args:
+            module: The model copy (a LightningModule or any ``nn.Module``), already on ``device``.
+            device: This rank's device.
+            param_dtype: Compute dtype of the gathered parameters (bf16 under ``bf16-mixed``); None keeps fp32.
+        """
+        if self.module is not None:
+            raise RuntimeError(f"{self.owner} shards one model; setup was already called.")
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        if self.shard_size is None or world_size % self.shard_size:
+            self.resolve_world(world_size, world_size)
+        assert self.shard_size is not None
+        self.topology = build_topology(device, self.shard_size)
+        if self.topology.num_replicas == 1 and self.compresses:
+            warnings.warn(
+                f"{self.owner}(replicator={self.replicator_name!r}): the run has a single model copy "
+                f"({self.topology.world_size} rank(s), shard_size={self.topology.shard_size}), so nothing crosses "
+                "nodes and the replicator's compression only loses information (the update is computed as if alone)."
+                " Use more nodes, a smaller shard_size, or replicator='full'.",
+                UserWarning,
+                stacklevel=2,
+            )
+        blocks, self.block_source = find_blocks(module, self.block_classes)
+        if not blocks:
+            warn_no_blocks(self.owner, module)
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(block for _, block in blocks)
+        self.sharded = shard_model(module, self.topology, [block for _, block in blocks], param_dtype)
+        broadcast_initial_state(module, self.topology)
+        self.units = sharding_units(module, blocks)
+        self.module = module
+        log.info(
+            "%s: %d replica(s) x shard_size %d, %d block(s) found by %s, sharded=%s",
+            self.owner,
+            self.topology.num_replicas,
+            self.topology.shard_size,
+            len(blocks),
+            self.block_source,
+            self.sharded,
+        )
+
+    def prepare_optimizer(self, optimizer: Optimizer, overlap: bool | None = None) -> ReplicatingOptimizer:
+        """Convert (or keep) ``optimizer``, bind it to the replicate group and install the overlap hooks.
+
+        Args:
+            optimizer: Built on the sharded parameters.
+            overlap: Override of ``self.overlap`` (the adapters turn it off when clipping must see the gradients).
+        """
+        if self.module is None:
+            raise RuntimeError(f"{self.owner}: set up the module before the optimizer.")
+        if self.optimizer is not None:
+            raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
+        converted, self.conversion = convert_optimizer(optimizer, self.make_replicator, self.owner)
+        converted.bind(self.topology.replicate_group)
+        self.optimizer = converted
+        owned = {id(p) for group in converted.param_groups for p in group["params"]}
+        units = [ShardingUnit(u.name, [p for p in u.params if id(p) in owned]) for u in self.units]
+        self.overlap_active = self.overlap if overlap is None else bool(overlap)
+        if self.overlap_active:
+            self.hooks = OverlapHooks(units, converted)
+        return converted
+
+    # ------------------------------------------------------------------------------------------------ training
+    def arm(self, final_micro_batch: bool) -> None:
+        """Whether the coming backward is the last before ``optimizer.step()`` (only then do hooks launch)."""
+        if self.hooks is not None:
+            self.hooks.armed = final_micro_batch
+
+    @property
+    def launched_early(self) -> bool:
+        """Whether some exchange of the current step already started during backward."""
+        return self.hooks is not None and self.hooks.launched_any
+
+    def before_step(self) -> None:
+        """Remember the ledger position so that :meth:`after_step` reports this step's inter-node bytes."""
+        self._inter_sent_before = comm.get_ledger().totals(comm.INTER).sent
+
+    def after_step(self) -> dict[str, float]:
+        """Bookkeeping after ``optimizer.step()``: re-arm the hooks, run the drift guard when due, return metrics."""
+        self.steps += 1
+        if self.hooks is not None:
+            self.hooks.armed = True
+        if self.drift_check_every and self.steps % self.drift_check_every == 0:
+            self._drift_due = True
+        if self._drift_due and self._replicas_in_sync():
+            self._drift_due = False
+            self.check_drift()
+        return self.comm_metrics()
+
+    def _replicas_in_sync(self) -> bool:
+        """Whether the replicas must be identical now (DiLoCo: only right after a synchronising step)."""
+        replicator = getattr(self.optimizer, "replicator", None)
+        syncs_at = getattr(replicator, "syncs_at", None)
+        return syncs_at is None or bool(syncs_at(replicator.step - 1))
+
+    def comm_metrics(self) -> dict[str, float]:
+        """``comm/*`` metrics of the last step: inter-node bytes sent, launched-early count, wait/comm seconds, and
+        ``comm/hidden_fraction`` = 1 - wait / comm (the share of the exchange's duration overlapped with work)."""
+        metrics = {"comm/inter_bytes_sent": float(comm.get_ledger().totals(comm.INTER).sent - self._inter_sent_before)}
+        stats = self.optimizer.comm_stats() if self.optimizer is not None else {}
+        for key in ("launched_early", "wait_seconds", "comm_seconds"):
+            if key in stats and isinstance(stats[key], (int, float)):
+                metrics[f"comm/{key}"] = float(stats[key])
+        comm_seconds, wait_seconds = stats.get("comm_seconds"), stats.get("wait_seconds")
+        if isinstance(comm_seconds, (int, float)) and isinstance(wait_seconds, (int, float)) and comm_seconds > 0:
+            metrics["comm/hidden_fraction"] = min(1.0, max(0.0, 1.0 - wait_seconds / comm_seconds))
+        return metrics
+
+    def check_drift(self) -> None:
+        """Run the replica drift guard now (collective over the world)."""
+        if self.module is not None:
+            check_replica_drift(list(self.module.named_parameters()), self.topology, self.steps)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the local gradients by the norm of the node's (the model copy's) gradient, before momentum.
+
+        The norm is taken over the gradient shards of this copy: one scalar all-reduce inside the shard group
+        (label ``"intra"``), none across nodes. Replicas may clip by different factors; that is the definition.
+
+        Raises:
+            RuntimeError: part of this step's exchange was already launched from the unclipped gradients.
+        """
+        if self.launched_early:
+            raise RuntimeError(
+                f"{self.owner}: gradient clipping after the overlapped exchange already started from the unclipped "
+                f"gradients. Construct {self.owner}(overlap=False) to clip (the Trainer does this by itself when "
+                "gradient_clip_val is set)."
+            )
+        grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        norm_type = float(norm_type)
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max().float() for g in grads if g.numel()]).max() if grads else None
+            total = torch.zeros((), device=device) if local is None else local
+            total = total.reshape(1).clone()
+            if self.topology.shard_group is not None:
+                comm.all_reduce(total, "max", group=self.topology.shard_group, label=comm.INTRA)
+            total_norm = total[0]
+        else:
+            power = torch.zeros(1, dtype=torch.float32, device=device)
+            for grad in grads:
+                if grad.numel():
+                    power += torch.linalg.vector_norm(grad.float(), norm_type) ** norm_type
+            if self.topology.shard_group is not None:
+                comm.all_reduce(power, "sum", group=self.topology.shard_group, label=comm.INTRA)
+            total_norm = power[0] ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total_norm):
+            raise RuntimeError(f"{self.owner}: the gradient norm is {float(total_norm)}; nothing was clipped.")
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total_norm
+
+    def teardown(self) -> None:
+        """Remove the hooks and forget the optimizer (the sharded module stays; a later fit binds a new optimizer)."""
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        self.optimizer = None

@@ -1,0 +1,354 @@
+"""``FlexDeMoStrategy`` for the Lightning Trainer: FSDP2 inside a node, compressed momentum replication between nodes.
+
+The ranks form a ``("replicate", "shard")`` mesh of shape ``(nodes, ranks per node)`` (or ``shard_size`` ranks per
+model copy). Each copy is sharded with FSDP2 on its ``"shard"`` sub-mesh, so gradients are reduce-scattered inside
+the node during backward and nothing is averaged across nodes by FSDP or DDP. The optimizer (a
+:class:`~lightning_hetero.flexdemo.optim.ReplicatingOptimizer`, converted from the user's AdamW/Adam/SGD) exchanges a
+compressed update over the replicate group instead, started per block during backward (``overlap``).
+
+How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP wrapper):
+
+- ``_configure_launcher``: ``shard_size`` is checked against the ranks per node before any process starts.
+- ``setup``: the copy is sharded (``configure_ddp``) before the optimizers exist; ``setup_optimizers`` converts the
+  optimizer, re-points its LR schedulers, binds the replicate group and installs the overlap hooks.
+- ``block_backward_sync`` (accumulation micro-batches): FSDP2 still reduce-scatters inside the node (gradients stay
+  sharded and accumulate in place), but no inter-node exchange is launched; it starts on the final micro-batch.
+- ``training_step`` & co. run through the root FSDP module's forward (forward redirection), so the root's
+  parameters are gathered whatever the LightningModule's step calls.
+- ``optimizer_step``: after the step, ``comm/*`` metrics are logged and the drift guard runs when due.
+- Checkpoints are directories with one file per rank (:mod:`lightning_hetero.flexdemo.checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero.flexdemo.checkpoint import (
+    META_FILE,
+    full_state_dict,
+    load_local_module_state,
+    local_module_state,
+    make_meta,
+    rank_file,
+    read_meta,
+)
+from lightning_hetero.flexdemo.conversion import repoint_scheduler
+from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
+from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+
+__all__ = ["FlexDeMoStrategy"]
+
+
+class FlexDeMoStrategy(DDPStrategy):
+    """FlexDeMo for the Trainer: FSDP2 per node, decoupled-momentum compressed replication across nodes.
+
+    Works on any LightningModule (HF model built in ``__init__`` or ``configure_model``) with one optimizer:
+    ``AdamW``/``Adam`` become ``DecoupledAdamW`` and ``SGD`` becomes ``DeMoSGD`` with the same param groups, and
+    a ``DeMoSGD``/``DecoupledAdamW`` is used as given. Other optimizers raise before training.
+
+    Args:
+        replicator: How updates cross nodes: ``"demo"`` (DCT top-k), ``"random"``, ``"striding"``, ``"diloco"``,
+            ``"full"`` (dense mean, the full-sync baseline), ``"topk"``. Used for converted optimizers.
+        compression: Fraction of coefficients kept per step, in (0, 1].
+        replicator_options: More ``build_replicator`` arguments: ``values`` (``"fp32"``, ``"bf16"``, ``"sign"``,
+            ``"ternary"``), ``index_bits`` (12 or 16), ``chunk`` (DCT block side), ``seed``, ``combine``
+            (``"mean"``/``"pickers"``), ``sync_every``/``outer_lr``/``outer_momentum`` (DiLoCo).
+        shard_size: Ranks that shard one model copy (consecutive ranks); None: all ranks of a node. Must divide the
+            ranks per node. 1 gives DDP-like copies on every rank, each replicating over the others.
+        drift_check_every: Every N optimizer steps, check that replicas are bit-identical (0: off); a mismatch
+            raises naming the step, the ranks and the first differing parameter. DiLoCo: at the next sync step.
+        overlap: Start each block's inter-node exchange during backward as soon as its gradients are reduced.
+            Turned off automatically when the Trainer clips gradients (clipping needs the whole node's norm first).
+        activation_checkpointing: Recompute each block's activations in backward (less memory, ~1/3 more compute).
+        block_classes: Class names of the blocks to shard individually; default: found from the model
+            (``_no_split_modules`` of HF models, else a ``ModuleList`` of identical layers).
+        log_comm_stats: Log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``, ``comm/wait_seconds``, ... per step.
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer.
+        cluster_environment: Set by the Trainer.
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer (``bf16-mixed`` gathers parameters in bf16, reduces in fp32).
+        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
+        timeout: Process group timeout.
+        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+    """
+
+    strategy_name = "flexdemo"
+
+    def __init__(
+        self,
+        replicator: str = "demo",
+        compression: float = 1 / 32,
+        replicator_options: dict[str, Any] | None = None,
+        shard_size: int | None = None,
+        drift_check_every: int = 0,
+        overlap: bool = True,
+        activation_checkpointing: bool = False,
+        block_classes: list[str] | None = None,
+        log_comm_stats: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.runtime = FlexDeMoRuntime(
+            replicator,
+            compression,
+            replicator_options,
+            shard_size,
+            drift_check_every,
+            overlap,
+            activation_checkpointing,
+            block_classes,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.log_comm_stats = bool(log_comm_stats)
+        self._sync_blocked = False
+        self._clipping_patched = False
+
+    # ------------------------------------------------------------------------------------------------ public
+    @property
+    def topology(self) -> Any:
+        """The :class:`~lightning_hetero.flexdemo.topology.Topology` (from ``setup`` on)."""
+        return self.runtime.topology
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("replicate", "shard")`` DeviceMesh (None in a single process)."""
+        return self.runtime.topology.mesh
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded model state dict on every rank (collective inside each node), e.g. for an export."""
+        assert self.lightning_module is not None
+        return full_state_dict(self.lightning_module, self.runtime.topology)
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def _configure_launcher(self) -> None:
+        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_processes)
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        check_precision(self.precision_plugin.precision, self.runtime.owner)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.configure_ddp()  # shards in every stage: validate/test without fit also run sharded
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def configure_ddp(self) -> None:
+        """Shard the model copy instead of wrapping it in DDP (before the optimizers exist)."""
+        module = self.lightning_module
+        assert module is not None
+        if self.runtime.module is None:
+            dtype = compute_dtype_for(self.precision_plugin.precision)
+            self.runtime.setup_module(module, self.root_device, dtype)
+        elif self.runtime.module is not module:
+            raise RuntimeError(
+                f"{self.runtime.owner} already sharded another LightningModule; use one strategy instance per model."
+            )
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{self.runtime.owner} needs exactly one optimizer from configure_optimizers, got "
+                f"{len(self.optimizers)}: FlexDeMo replicates one update per step."
+            )
+        module = self.lightning_module
+        assert module is not None
+        original = self.optimizers[0]
+        overlap = self.runtime.overlap and not self._clipping_configured(trainer) and module.automatic_optimization
+        if self.runtime.overlap and not overlap:
+            rank_zero_info(
+                f"{self.runtime.owner}: overlap turned off (gradient clipping or manual optimization needs the whole "
+                "gradient before the exchange starts)."
+            )
+        converted = self.runtime.prepare_optimizer(original, overlap=overlap)
+        rank_zero_info(f"{self.runtime.owner}: {self.runtime.conversion}.")
+        for config in self.lr_scheduler_configs:
+            repoint_scheduler(config.scheduler, original, converted)
+        self.optimizers = [converted]
+        if not self._clipping_patched:
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self._clipping_patched = True
+
+    def _clipping_configured(self, trainer: Any) -> bool:
+        module = self.lightning_module
+        clip = getattr(trainer, "gradient_clip_val", None)
+        return bool(clip) or (module is not None and is_overridden("configure_gradient_clipping", module))
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+    # ------------------------------------------------------------------------------------------------ training
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        previous, self._sync_blocked = self._sync_blocked, True
+        self.runtime.arm(False)
+        try:
+            yield None
+        finally:
+            self._sync_blocked = previous
+            self.runtime.arm(not previous)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        pass  # no DDP reducer to prepare
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        pass  # FSDP2 reduced inside the node; the optimizer exchanges across nodes
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        if self.runtime.sharded:
+            # The LightningModule is the root FSDP module: call it so that its pre-forward gathers the root's
+            # parameters (embeddings, heads) around the step, whatever the step calls.
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self.runtime.before_step()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        metrics = self.runtime.after_step()
+        module = self.lightning_module
+        if self.log_comm_stats and module is not None and module._trainer is not None:
+            for name, value in metrics.items():
+                module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        return output
+
+    @override
+    def teardown(self) -> None:
+        self.runtime.teardown()
+        if self._clipping_patched:
+            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
+            self._clipping_patched = False
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the checkpoint holds local shards: load into the sharded model
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return local_module_state(self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        load_local_module_state(self.lightning_module, checkpoint["state_dict"], strict, self.runtime.owner)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{self.runtime.owner}.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file() and self.is_global_zero:
+            path.unlink()  # a single-file checkpoint of another strategy under the same name
+        self.barrier("flexdemo_checkpoint_prepare")
+        path.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_io.save_checkpoint(checkpoint, rank_file(path, self.global_rank))
+        if self.is_global_zero:
+            assert self.lightning_module is not None
+            torch.save(make_meta(self.lightning_module, self.runtime.topology), path / META_FILE)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        read_meta(path, self.runtime.topology, self.runtime.owner)
+        return self.checkpoint_io.load_checkpoint(rank_file(path, self.global_rank), weights_only=False)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)  # a directory: removed recursively
+
+
+class _FullWeightsLauncher(_MultiProcessingLauncher):
+    """Spawn launcher whose rank 0 hands the *unsharded* weights back to the main process after ``fit``."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        strategy = trainer.strategy
+        if trainer.state.fn != TrainerFn.FITTING or not strategy.runtime.sharded:
+            return super()._collect_rank_zero_results(trainer, results)
+        full = strategy.full_state_dict()  # collective inside each copy: every rank joins
+        trainer.lightning_module.state_dict = lambda *a, **k: full  # what the base class saves for the main process
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del trainer.lightning_module.state_dict  # the instance attribute; the method is back
