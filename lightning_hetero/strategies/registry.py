@@ -64,6 +64,19 @@ BUILTIN_STRATEGIES.extend(
             description="FlexDeMo with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
+        StrategySpec(
+            "subspace_pipeline",
+            "lightning_hetero.subspace.strategy:SubspacePipelineStrategy",
+            "lightning_hetero.subspace.fabric:SubspacePipelineStrategy",
+            description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
+        ),
+        StrategySpec(
+            "subspace_pipeline_spawn",
+            "lightning_hetero.subspace.strategy:SubspacePipelineStrategy",
+            "lightning_hetero.subspace.fabric:SubspacePipelineStrategy",
+            description="Subspace pipeline with start_method='spawn'",
+            init_params={"start_method": "spawn"},
+        ),
     ]
 )
 

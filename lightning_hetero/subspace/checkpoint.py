@@ -1,0 +1,172 @@
+"""Per-stage checkpoints of the subspace pipeline: one folder, one file per stage, one metadata file.
+
+Layout of a checkpoint ``path`` (a folder, also when it is named ``*.ckpt``)::
+
+    path/
+      meta.json        # format, num_stages, data_parallel_size at save time, stage layer ranges, subspace config
+      stage_0.pt       # everything the Trainer/Fabric saves on the rank of stage 0 of replica 0
+      stage_1.pt       # ... (model state of that stage only, its optimizer state, loops, callbacks, ...)
+
+Data-parallel replicas of a stage hold bit-identical weights and optimizer state (their gradients are averaged), so
+only replica 0 writes; any number of replicas can resume from the folder (every replica of stage ``s`` reads
+``stage_s.pt``). The stage count, the layer split and the subspace settings must match the run that resumes.
+
+:func:`gather_stage_states` brings every stage's state to rank 0 (for ``export_dense``). Nothing here imports
+Lightning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_hetero import comm
+from lightning_hetero.subspace.pipeline import PipelineLayout
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "EXPORT_LABEL",
+    "META_FILE",
+    "check_meta",
+    "gather_stage_states",
+    "load_stage_file",
+    "read_meta",
+    "remove_pipeline_checkpoint",
+    "stage_file",
+    "write_meta",
+    "write_stage_file",
+]
+
+CHECKPOINT_FORMAT = "lightning_hetero.subspace_pipeline/1"
+"""Value of ``meta.json``'s ``format`` field."""
+META_FILE = "meta.json"
+"""Name of the metadata file inside a checkpoint folder."""
+EXPORT_LABEL = "export"
+"""Ledger label of :func:`gather_stage_states` (stage states sent to rank 0 for export)."""
+
+# Meta fields that must be equal between the saving and the resuming run (the rest is informative).
+_MUST_MATCH = ("num_stages", "layer_ranges", "rank", "compress", "mode", "seed", "coord_dtype")
+
+
+def stage_file(path: str | os.PathLike, stage: int) -> Path:
+    """The file of ``stage`` inside checkpoint folder ``path``."""
+    return Path(path) / f"stage_{stage}.pt"
+
+
+def write_stage_file(path: str | os.PathLike, stage: int, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` (torch.save) as ``stage``'s file in folder ``path`` (created); atomic via a temporary name."""
+    target = stage_file(path, stage)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(target.name + ".tmp")
+    torch.save(dict(state), temporary)
+    os.replace(temporary, target)
+    return target
+
+
+def write_meta(path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Write ``meta.json`` (plus the format field) into folder ``path`` (created)."""
+    target = Path(path) / META_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"format": CHECKPOINT_FORMAT, **meta}, indent=2, sort_keys=True))
+    return target
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Read ``meta.json`` of checkpoint folder ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a pipeline checkpoint folder (e.g. a single-file checkpoint of another
+            strategy); the message says what a pipeline checkpoint looks like.
+    """
+    folder = Path(path)
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        kind = "a file" if folder.is_file() else "missing" if not folder.exists() else "a folder without meta.json"
+        raise FileNotFoundError(
+            f"{folder} is {kind}, not a SubspacePipelineStrategy checkpoint (a folder with {META_FILE} and "
+            "stage_<s>.pt files, written by trainer.save_checkpoint / fabric.save under this strategy)."
+        )
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}.")
+    return meta
+
+
+def check_meta(saved: Mapping[str, Any], current: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Raise a ValueError naming every field in which the saved run and this run differ (stage split, subspace)."""
+    differences = [
+        f"{key}: saved {saved.get(key)!r}, now {current.get(key)!r}"
+        for key in _MUST_MATCH
+        if key in current and _normalized(saved.get(key)) != _normalized(current.get(key))
+    ]
+    if differences:
+        raise ValueError(
+            f"Cannot resume from {path}: the checkpoint was written by a different pipeline ("
+            + "; ".join(differences)
+            + "). Resume with the same num_stages, model and subspace settings."
+        )
+
+
+def _normalized(value: Any) -> Any:
+    return json.loads(json.dumps(value))  # tuples -> lists, as read back from JSON
+
+
+def load_stage_file(path: str | os.PathLike, stage: int, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load ``stage``'s file from checkpoint folder ``path``."""
+    target = stage_file(path, stage)
+    if not target.is_file():
+        raise FileNotFoundError(f"{target} is missing: the checkpoint at {path} has no file for stage {stage}.")
+    return torch.load(target, map_location=map_location, weights_only=False)
+
+
+def remove_pipeline_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint folder (or file) if it exists."""
+    target = Path(path)
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+
+
+def gather_stage_states(
+    state: Mapping[str, Tensor], layout: PipelineLayout, rank: int, device: torch.device
+) -> list[dict[str, Tensor]] | None:
+    """Collect replica 0's stage state dicts on global rank 0, in stage order; None on every other rank.
+
+    Collective: every rank calls it (other replicas return at once). Each stage serializes its state and sends its
+    size, then the bytes, to rank 0 (counted with label :data:`EXPORT_LABEL`).
+
+    Args:
+        state: This rank's stage ``state_dict`` (CPU tensors).
+        layout: The rank layout.
+        rank: This process's global rank.
+        device: Device of the transport tensors (the stage's; NCCL needs CUDA tensors).
+    """
+    if layout.world_size == 1:
+        return [dict(state)]
+    if layout.dp_rank_of(rank) != 0:
+        return None
+    if rank != 0:
+        buffer = io.BytesIO()
+        torch.save(dict(state), buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+        comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), 0, label=EXPORT_LABEL)
+        comm.send(payload, 0, label=EXPORT_LABEL)
+        return None
+    states = [dict(state)]
+    for stage in range(1, layout.num_stages):
+        src = layout.global_rank(stage, 0)
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        comm.recv(size, src, label=EXPORT_LABEL)
+        payload = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+        comm.recv(payload, src, label=EXPORT_LABEL)
+        states.append(torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False))
+    return states

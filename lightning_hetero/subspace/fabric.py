@@ -1,0 +1,278 @@
+"""``SubspacePipelineStrategy`` for Fabric: the subspace pipeline in your own training loop.
+
+The work is done by :class:`~lightning_hetero.subspace.runtime.SubspacePipelineRuntime`, shared with the Trainer
+strategy; this module decides when it runs. Usage::
+
+    strategy = SubspacePipelineStrategy(num_stages=2, compression=16, n_microbatches=4)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(model)  # an HF Llama (or a module holding one) -> this rank's stage
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # build it AFTER setup_module
+    for batch in fabric.setup_dataloaders(loader):  # every stage of a replica reads the same batches
+        loss = strategy.train_step(batch)  # forward + backward of every microbatch; the loss on every rank
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)  # one norm over all stages
+        optimizer.step()  # (+ the subspace update every update_every steps)
+        optimizer.zero_grad()
+
+``fabric.backward`` is not used (the schedule runs backward itself). ``strategy.eval_step(batch)`` is the
+forward-only pass; ``fabric.save``/``fabric.load`` write and read a folder with one file per stage;
+``strategy.export_dense(path)`` writes a plain HF checkpoint of the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.types import _PATH, Optimizable
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.subspace import checkpoint as ckpt
+from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+
+__all__ = ["SubspacePipelineStrategy"]
+
+_STATE_KEY = "subspace_pipeline"
+
+
+class SubspacePipelineStrategy(DDPStrategy):
+    """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
+
+    Arguments as in the Trainer's :class:`lightning_hetero.SubspacePipelineStrategy` (``num_stages``, ``rank`` or
+    ``compression``, ``schedule``, ``n_microbatches``, ``data_parallel_size``, ``compress``, ``mode``,
+    ``coord_dtype``, ``update_every``, ``update_lr``, ``seed``), plus the ones Fabric sets (``accelerator``,
+    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``), ``process_group_backend``,
+    ``timeout`` and ``start_method`` (``"popen"`` for scripts, ``"spawn"`` for ``fabric.launch(fn)`` in notebooks
+    and tests).
+    """
+
+    strategy_name = "subspace_pipeline"
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        rank: int | None = None,
+        compression: float | None = None,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        data_parallel_size: int = 1,
+        compress: bool = True,
+        mode: str = "reparam",
+        coord_dtype: str = "fp32",
+        update_every: int = 0,
+        update_lr: float = 0.1,
+        seed: int = 0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.runtime = SubspacePipelineRuntime(
+            num_stages,
+            rank,
+            compression,
+            schedule,
+            n_microbatches,
+            data_parallel_size,
+            compress,
+            mode,
+            coord_dtype,
+            update_every,
+            update_lr,
+            seed,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._module: nn.Module | None = None
+        self.steps = 0
+        """Optimizer steps so far (drives ``update_every``; saved by ``fabric.save``)."""
+
+    # ------------------------------------------------------------------------------------------------ public
+    @property
+    def stage_index(self) -> int:
+        """This rank's stage (after ``setup_module``)."""
+        return self.runtime.stage_index
+
+    @property
+    def stage(self) -> nn.Module:
+        """This rank's stage module (after ``setup_module``)."""
+        return self.runtime.stage
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of every microbatch of ``batch``; returns the loss (the same on every rank).
+
+        Gradients are added to ``.grad`` of the stage parameters, already averaged over replicas (and projected in
+        ``mode="projected"``). The loss is the mean token cross-entropy of the shifted labels (``labels``, default
+        ``input_ids``; -100 ignored), or ``module.pipeline_loss(logits, microbatch)`` averaged over microbatches
+        when the set-up module defines it.
+        """
+        with self.precision.forward_context():
+            return self.runtime.train_step(batch, self._require_module())
+
+    def eval_step(self, batch: Any) -> Tensor:
+        """Forward-only pass; returns the batch loss (the same on every rank)."""
+        with self.precision.forward_context():
+            return self.runtime.eval_step(batch, self._require_module())
+
+    def export_dense(self, path: _PATH, tokenizer: Any | None = None) -> str | None:
+        """Write the whole model as a plain HF checkpoint (collective: every rank calls it; rank 0 writes)."""
+        result = self.runtime.export_dense(str(path), tokenizer)
+        self.barrier()
+        return result
+
+    def _require_module(self) -> nn.Module:
+        if self._module is None:
+            raise RuntimeError("SubspacePipelineStrategy needs fabric.setup_module(model) first.")
+        return self._module
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def _configure_launcher(self) -> None:
+        self.runtime.resolve_world(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self._module is not None:
+            raise RuntimeError("SubspacePipelineStrategy trains one model per Fabric; setup_module was already called.")
+        if isinstance(self.precision, MixedPrecision) and getattr(self.precision, "scaler", None) is not None:
+            raise ValueError(
+                "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
+                "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
+            )
+        module = self.runtime.setup(module, self.root_device, self.global_rank)
+        self._module = module
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        kept = {id(p) for p in module.parameters()}
+        for optimizer in optimizers:
+            if any(id(p) not in kept for group in optimizer.param_groups for p in group["params"]):
+                raise RuntimeError(
+                    "SubspacePipelineStrategy replaces the model by this rank's stage, so an optimizer built before "
+                    "setup holds parameters of other stages. Call model = fabric.setup_module(model) first, then "
+                    "build the optimizer from model.parameters() and pass it to fabric.setup_optimizers."
+                )
+        return module, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.runtime.sampler_kwargs(self.global_rank)
+
+    # ------------------------------------------------------------------------------------------------ training
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "With SubspacePipelineStrategy, fabric.backward() is not used: strategy.train_step(batch) runs the "
+            "forward and backward of every microbatch through the pipeline and returns the loss."
+        )
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return self.runtime.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.steps += 1
+        self.runtime.after_optimizer_step(optimizer if isinstance(optimizer, Optimizer) else None, self.steps)
+        return output
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("SubspacePipelineStrategy.save_checkpoint does not take storage_options.")
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        converted[_STATE_KEY] = {"steps": self.steps, "subspace_updates": self.runtime.subspace_updates}
+        if self.runtime.dp_rank == 0:
+            ckpt.write_stage_file(path, self.runtime.stage_index, converted)
+        if self.is_global_zero:
+            ckpt.write_meta(path, self.runtime.meta())
+        self.barrier()
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        ckpt.check_meta(ckpt.read_meta(path), self.runtime.meta(), path)
+        checkpoint = ckpt.load_stage_file(path, self.runtime.stage_index, map_location=self.root_device)
+        extra = checkpoint.pop(_STATE_KEY, {})
+        self.steps = int(extra.get("steps", 0))
+        self.runtime.subspace_updates = int(extra.get("subspace_updates", 0))
+        if not state:
+            return checkpoint
+        if isinstance(state, nn.Module):
+            self.load_module_state_dict(state, checkpoint, strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            state.load_state_dict(checkpoint)
+            return {}
+        missing = [key for key in state if key not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"The checkpoint at {path} has no entries {missing} (requested in `state`).")
+        for name, obj in list(state.items()):
+            if name not in checkpoint:
+                continue
+            if isinstance(obj, nn.Module):
+                self.load_module_state_dict(obj, checkpoint.pop(name), strict=strict)
+            elif isinstance(obj, Optimizer) or hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(checkpoint.pop(name))
+            else:
+                state[name] = checkpoint.pop(name)
+        return checkpoint

@@ -1,0 +1,388 @@
+"""``SubspacePipelineStrategy`` for the Lightning Trainer: pipeline parallelism whose boundaries carry k numbers/token.
+
+Each rank runs one stage of an HF Llama-family model found inside the user's LightningModule (stage-major layout:
+global rank ``r`` runs stage ``r // data_parallel_size`` of replica ``r % data_parallel_size``). The strategy owns
+the schedule; the module's own ``training_step``/``validation_step`` are not called (see below).
+
+How it plugs into the Trainer (a ``DDPStrategy`` for the launcher and process group, without the DDP wrapper):
+
+- ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against ``num_stages * data_parallel_size``.
+- ``setup``: the HF model inside the module is replaced by this rank's stage (after ``configure_model``, before the
+  optimizers, so ``configure_optimizers`` sees only the stage's parameters); unsupported settings are refused here.
+- ``training_step``: the whole schedule (forward and backward of every microbatch) runs here, under the precision
+  context; the loss, computed on the last stage and broadcast, is logged as ``train/loss`` on every rank and
+  returned. The gradients are moved aside, because Lightning's automatic optimization calls ``zero_grad`` *after*
+  ``training_step``; ``backward`` puts them back. ``train/loss`` is therefore the real loss, and clipping
+  (``gradient_clip_val``, one norm over all stages) and ``optimizer.step`` see the real gradients.
+- ``optimizer_step``: after the step, the subspace update every ``update_every`` steps.
+- ``validation_step``/``test_step``: a forward-only pass; ``val/loss``/``test/loss`` logged on every rank.
+- checkpoints: a folder with one file per stage plus ``meta.json``
+  (:mod:`lightning_hetero.subspace.checkpoint`), restored after setup into the stage modules.
+
+With ``automatic_optimization = False`` the module's ``training_step`` runs instead, and calls
+``self.trainer.strategy.train_step(batch)`` (forward + backward, returns the loss) before its own optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero import comm
+from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.subspace import checkpoint as ckpt
+from lightning_hetero.subspace.pipeline import split_batch
+from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+
+__all__ = ["METRICS_LABEL", "SubspaceDenseExport", "SubspacePipelineStrategy"]
+
+METRICS_LABEL = "metrics"
+"""Ledger label of Lightning's metric reductions (``self.log(..., sync_dist=True)``) under this strategy."""
+
+
+class SubspacePipelineStrategy(DDPStrategy):
+    """Pipeline-parallel training of an HF Llama-family model whose stage boundaries carry ``k`` numbers per token.
+
+    Every layer whose output crosses a boundary writes only into a shared ``k``-dim subspace span(U), and a frozen
+    seed-derived table ``T_fixed`` is added to the token embedding, so each boundary sends ``k`` coordinates per
+    token (forward) and receives ``k``-dim gradients (backward), losslessly. ``compress=False`` runs the plain model
+    through the same pipeline (``d`` numbers per token).
+
+    Args:
+        num_stages: Pipeline stages ``P``; the world must have ``P * data_parallel_size`` processes.
+        rank: ``k``, coordinates per token at a boundary. Exclusive with ``compression``.
+        compression: ``d / k`` instead of ``rank``. Neither given: ``compression=16`` (so the bare name
+            ``strategy="subspace_pipeline"`` works).
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``. Interleaved schedules are refused (one stage per rank).
+        n_microbatches: Microbatches per batch; the batch size must be a multiple. Default: ``num_stages``.
+        data_parallel_size: Replicated pipelines ``D``; each stage's gradients are averaged over its replicas, and the
+            data loader is sharded over replicas only (all stages of a replica read the same batch).
+        compress: False: plain pipeline baseline (no subspace constraint).
+        mode: ``"reparam"`` (weights stored as ``U Z``; any optimizer) or ``"projected"`` (HF-shaped weights, projected
+            gradients; pair it with ``SubspaceAdamW``).
+        coord_dtype: Boundary codec: ``"fp32"``, ``"bf16"`` or ``"int8"`` (lossy, per-token scale).
+        update_every: Optimizer steps between subspace updates (0: frozen U).
+        update_lr: Step size of the subspace update.
+        seed: Seed of U and T_fixed (identical on every rank without communication).
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer.
+        cluster_environment: Set by the Trainer.
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer.
+        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
+        timeout: Process group timeout.
+        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+    """
+
+    strategy_name = "subspace_pipeline"
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        rank: int | None = None,
+        compression: float | None = None,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        data_parallel_size: int = 1,
+        compress: bool = True,
+        mode: str = "reparam",
+        coord_dtype: str = "fp32",
+        update_every: int = 0,
+        update_lr: float = 0.1,
+        seed: int = 0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.runtime = SubspacePipelineRuntime(
+            num_stages,
+            rank,
+            compression,
+            schedule,
+            n_microbatches,
+            data_parallel_size,
+            compress,
+            mode,
+            coord_dtype,
+            update_every,
+            update_lr,
+            seed,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
+        self._clipping_patched = False
+
+    # ------------------------------------------------------------------------------------------------ public
+    @property
+    def stage_index(self) -> int:
+        """This rank's stage (from ``setup`` on)."""
+        return self.runtime.stage_index
+
+    @property
+    def stage(self) -> nn.Module:
+        """This rank's stage module (from ``setup`` on)."""
+        return self.runtime.stage
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of every microbatch (manual optimization); returns the loss, the same on every rank."""
+        return self.runtime.train_step(batch, self.lightning_module)
+
+    def eval_step(self, batch: Any) -> Tensor:
+        """Forward-only pass; returns the batch loss, the same on every rank."""
+        return self.runtime.eval_step(batch, self.lightning_module)
+
+    def export_dense(self, path: _PATH, tokenizer: Any | None = None) -> str | None:
+        """Write the whole model as a plain HF checkpoint (collective: call on every rank; rank 0 writes)."""
+        result = self.runtime.export_dense(str(path), tokenizer)
+        self.barrier("SubspacePipelineStrategy.export_dense")
+        return result
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def _configure_launcher(self) -> None:
+        self.runtime.resolve_world(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        """Build this rank's stage in place of the HF model, then optimizers and precision (no DDP wrapper)."""
+        self._check_trainer(trainer)
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.runtime.setup(self.model, self.root_device, self.global_rank)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            # Stages hold disjoint parameters: clip every stage with the norm of the whole pipeline's gradient.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self._clipping_patched = True
+
+    def _check_trainer(self, trainer: L.Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"SubspacePipelineStrategy does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
+                "the pipeline already accumulates gradients over its microbatches. Raise n_microbatches and the "
+                "batch size instead, and set accumulate_grad_batches=1."
+            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(self.precision_plugin, MixedPrecision) and scaler is not None:
+            raise ValueError(
+                "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
+                "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
+            )
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # no DDP wrapper: ranks hold different stages
+
+    @override
+    def configure_ddp(self) -> None:
+        pass
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.runtime.sampler_kwargs(self.global_rank)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the checkpoint holds stage weights: load them into the stage, not into the full HF model
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+    # ------------------------------------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        # The schedule adds to .grad, and the previous step's gradients are still there (Lightning zeroes them only
+        # after training_step): start from none, as Lightning's zero_grad would before backward.
+        for param in module.parameters():
+            param.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self.runtime.train_step(batch, module)
+        # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
+        self._stashed_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for param, _ in self._stashed_grads:
+            param.grad = None
+        module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise RuntimeError(
+                "With SubspacePipelineStrategy, manual_backward() is not used: strategy.train_step(batch) runs the "
+                "forward and backward of every microbatch; call optimizer.step() after it."
+            )
+        for param, grad in self._stashed_grads:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._stashed_grads = []
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: L.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        steps_done = (trainer.global_step if trainer is not None else 0) + 1  # global_step counts after this hook
+        self.runtime.after_optimizer_step(optimizer, steps_done)
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("val", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test", *args, **kwargs)
+
+    def _evaluate(self, stage: str, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        batch = args[0] if args else kwargs.get("batch")
+        context = self.precision_plugin.val_step_context if stage == "val" else self.precision_plugin.test_step_context
+        with context():
+            loss = self.runtime.eval_step(batch, module)
+        # Every rank of a replica holds the same value; sync_dist averages over the replicas.
+        module.log(f"{stage}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True, batch_size=_batch_size(batch))
+        return loss
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Metric reduction over the world through the counted collectives (label ``"metrics"``)."""
+        if not isinstance(tensor, Tensor) or self.world_size == 1:
+            return tensor
+        name = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+        op = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}.get(name)
+        if op is None:
+            raise ValueError(f"SubspacePipelineStrategy.reduce: unsupported reduce_op {reduce_op!r}.")
+        result = tensor.detach().clone()
+        if op == "avg" and not result.is_floating_point():
+            result = result.float()
+        comm.all_reduce(result, op, label=METRICS_LABEL, group=group)
+        return result
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "SubspacePipelineStrategy does not run predict: export the model (strategy.export_dense(path)) and "
+            "predict with a plain strategy."
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self._clipping_patched:
+            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
+            self._clipping_patched = False
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("SubspacePipelineStrategy.save_checkpoint does not take storage_options.")
+        if self.runtime.dp_rank == 0:
+            ckpt.write_stage_file(filepath, self.runtime.stage_index, _with_runtime_state(checkpoint, self.runtime))
+        if self.is_global_zero:
+            ckpt.write_meta(filepath, self.runtime.meta())
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        ckpt.check_meta(ckpt.read_meta(checkpoint_path), self.runtime.meta(), checkpoint_path)
+        checkpoint = ckpt.load_stage_file(checkpoint_path, self.runtime.stage_index)
+        self.runtime.subspace_updates = int(checkpoint.pop("subspace_pipeline", {}).get("subspace_updates", 0))
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            ckpt.remove_pipeline_checkpoint(filepath)
+
+
+class SubspaceDenseExport(Callback):
+    """Write the trained pipeline as one plain HF checkpoint when ``fit`` ends (every rank joins; rank 0 writes).
+
+    ``transformers.AutoModelForCausalLM.from_pretrained(dirpath)`` then loads a standard model (U folded into the
+    weights, T_fixed added to the embedding) whose logits equal the pipeline's.
+
+    Args:
+        dirpath: Output directory.
+        save_tokenizer: Also save ``trainer.datamodule.tokenizer`` when the datamodule has one.
+    """
+
+    def __init__(self, dirpath: str, save_tokenizer: bool = True) -> None:
+        self.dirpath = str(dirpath)
+        self.save_tokenizer = bool(save_tokenizer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, SubspacePipelineStrategy):
+            name = type(strategy).__name__
+            raise TypeError(f"SubspaceDenseExport needs Trainer(strategy=SubspacePipelineStrategy(...)), got {name}.")
+        datamodule = getattr(trainer, "datamodule", None)
+        tokenizer = getattr(datamodule, "tokenizer", None) if self.save_tokenizer else None
+        path = strategy.export_dense(self.dirpath, tokenizer=tokenizer)
+        if path is not None:
+            print(f"SubspaceDenseExport: plain HF checkpoint written to {path}")
+
+
+def _with_runtime_state(checkpoint: Mapping[str, Any], runtime: SubspacePipelineRuntime) -> dict[str, Any]:
+    return {**checkpoint, "subspace_pipeline": {"subspace_updates": runtime.subspace_updates}}
+
+
+def _batch_size(batch: Any) -> int:
+    chunks = split_batch(batch, 1)
+    return int(chunks[0]["input_ids"].shape[0])

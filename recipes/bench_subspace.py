@@ -1,0 +1,249 @@
+"""Subspace pipeline vs plain pipeline over throttled links: wire bytes/step, tokens/s, val loss at equal tokens.
+
+Every run goes through the bandwidth testbed (``python -m lightning_hetero.testbed``, root needed): ``--stages``
+"nodes" (network namespaces, default 4), one pipeline stage per node, joined by veth links shaped with tc at each
+bandwidth. Each run trains the same model (``--preset``) on Shakespeare for the same number of steps and tokens with
+:class:`~lightning_hetero.subspace.runtime.SubspacePipelineRuntime` (the core of ``SubspacePipelineStrategy``):
+
+- ``plain``: ``compress=False``, fp32 boundaries (d numbers per token);
+- ``int8``: ``compress=False`` with int8 boundary activations and gradients (lossy baseline, ~d bytes per token);
+- ``ssn<r>-<dtype>``: the subspace pipeline at ``d/k = r`` with fp32 or bf16 coordinates (exact reconstruction).
+
+Prints one JSON document and writes ``results.json`` (and ``bytes_and_throughput.png`` with matplotlib).
+
+    python recipes/bench_subspace.py                                  # full matrix, long
+    python recipes/bench_subspace.py --bandwidths 80mbit --variants plain ssn16-fp32 --steps 10   # a quick look
+    python recipes/bench_subspace.py --worker ... (internal: one rank, started by the testbed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+UNTHROTTLED = "unthrottled"
+VARIANTS = ["plain", "int8"] + [f"ssn{r}-{dtype}" for r in (16, 32, 64) for dtype in ("fp32", "bf16")]
+
+
+def variant_options(variant: str) -> dict[str, Any]:
+    """Runtime arguments of a variant name (``plain``, ``int8``, ``ssn<ratio>-<fp32|bf16>``)."""
+    if variant == "plain":
+        return {"compress": False, "coord_dtype": "fp32"}
+    if variant == "int8":
+        return {"compress": False, "coord_dtype": "int8"}
+    if variant.startswith("ssn") and "-" in variant:
+        ratio, dtype = variant[3:].split("-", 1)
+        return {"compress": True, "compression": float(ratio), "coord_dtype": dtype}
+    raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+def worker(args: argparse.Namespace) -> None:
+    """One rank: train ``--steps`` steps through the pipeline, record step times and bytes; rank 0 writes JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_hetero import comm
+    from lightning_hetero.data import ShakespeareDataModule
+    from lightning_hetero.models import CausalLMModule
+    from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size, seed=0)
+    data.prepare_data()
+    data.setup("fit")
+    module = CausalLMModule(preset=args.preset, config=data.hf_config_overrides(), learning_rate=args.learning_rate)
+    module.configure_model()
+    runtime = SubspacePipelineRuntime(
+        world, n_microbatches=args.microbatches, schedule=args.schedule, **variant_options(args.variant)
+    )
+    runtime.setup(module, torch.device("cpu"), rank)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=args.learning_rate, weight_decay=0.1)
+    torch.manual_seed(0)  # every stage must iterate the same batches in the same order
+    batches = _take(data.train_dataloader(), args.steps)
+    ledger = comm.get_ledger()
+    step_seconds, step_bytes, losses = [], [], []
+    for step, batch in enumerate(batches):
+        ledger.set_step(step)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = runtime.train_step(batch, module)
+        runtime.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        step_seconds.append(time.perf_counter() - start)
+        step_bytes.append(ledger.step_totals(step).get(comm.PIPELINE, comm.LedgerTotals()).sent)
+        losses.append(float(loss))
+    torch.manual_seed(1)
+    val_batches = _take(data.val_dataloader(), args.val_batches)
+    val_loss = statistics.fmean(float(runtime.eval_step(batch, module)) for batch in val_batches)
+    sent = torch.tensor(step_bytes, dtype=torch.float64)
+    comm.all_reduce(sent, "sum", label="metrics")  # every stage's pipeline bytes per step
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    measured = step_seconds[args.warmup :]
+    median = statistics.median(measured)
+    tokens_per_step = args.batch_size * args.seq_len
+    summary = {
+        "variant": args.variant,
+        "stages": world,
+        "median_step_s": median,
+        "tokens_per_s": tokens_per_step / median,
+        "pipeline_bytes_per_step": float(statistics.median(sent.tolist()[args.warmup :])),
+        "train_losses": losses,
+        "tokens": tokens_per_step * len(batches),
+        "val_loss": val_loss,
+        "boundary_bytes_per_microbatch": runtime.stage.boundary_bytes(
+            args.batch_size // args.microbatches, args.seq_len
+        ),
+    }
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    dist.destroy_process_group()
+
+
+def _take(loader: Any, count: int) -> list[Any]:
+    batches: list[Any] = []
+    while len(batches) < count:
+        for batch in loader:
+            batches.append(batch)
+            if len(batches) == count:
+                break
+    return batches
+
+
+# ------------------------------------------------------------------------------------------------ orchestrator
+def run_under_testbed(variant: str, bandwidth: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """One run through the testbed (one stage per node); the worker summary plus bandwidth and wall time."""
+    tag = f"{variant}-{bandwidth}"
+    out, report = out_dir / f"{tag}.json", out_dir / f"{tag}-testbed.json"
+    command = [sys.executable, "-m", "lightning_hetero.testbed", "--nodes", str(args.stages), "--ranks-per-node", "1"]
+    command += ["--report", str(report), "--timeout", str(args.timeout)]
+    if bandwidth != UNTHROTTLED:
+        command += ["--bandwidth", bandwidth]
+    command += [
+        "--",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--variant",
+        variant,
+        "--out",
+        str(out),
+    ]
+    for name in ("preset", "steps", "warmup", "batch_size", "seq_len", "microbatches", "schedule", "val_batches"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    command += ["--learning-rate", str(args.learning_rate)]
+    start = time.perf_counter()
+    completed = subprocess.run(command, cwd=out_dir, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{tag} failed (exit {completed.returncode}):\n{completed.stdout[-3000:]}{completed.stderr}")
+    summary = json.loads(out.read_text())
+    summary.update(bandwidth=bandwidth, wall_s=time.perf_counter() - start)
+    return summary
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    bandwidths = list(dict.fromkeys(run["bandwidth"] for run in runs))
+    variants = list(dict.fromkeys(run["variant"] for run in runs))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    width = 0.8 / max(1, len(bandwidths))
+    for index, bandwidth in enumerate(bandwidths):
+        values = [next((r["tokens_per_s"] for r in runs if r["variant"] == v and r["bandwidth"] == bandwidth), 0)
+                  for v in variants]  # fmt: skip
+        left.bar([i + index * width for i in range(len(variants))], values, width, label=bandwidth)
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(variants))], variants, rotation=45, ha="right")
+    left.set_ylabel("tokens/s")
+    left.set_yscale("log")
+    left.legend(fontsize=8)
+    first = {v: next(r for r in runs if r["variant"] == v) for v in variants}
+    right.bar(variants, [first[v]["pipeline_bytes_per_step"] for v in variants])
+    right.set_yscale("log")
+    right.set_ylabel("pipeline bytes per step (all stages)")
+    right.tick_params(axis="x", rotation=45)
+    figure.suptitle(f"{results['config']['preset']}, {results['config']['stages']} stages, one per node")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="plain", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidths", nargs="+", default=[UNTHROTTLED, "80mbit", "20mbit"])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS)
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages = testbed nodes")
+    parser.add_argument("--preset", default="llama-tiny")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (equal tokens for every variant)")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing statistics")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per testbed run")
+    parser.add_argument("--out-dir", type=Path, default=Path("outputs/bench_subspace"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    from lightning_hetero.comm import parse_bandwidth
+    from lightning_hetero.data import ShakespeareDataModule
+
+    for variant in args.variants:
+        variant_options(variant)  # fail before any run on a bad name
+    for bandwidth in args.bandwidths:
+        if bandwidth != UNTHROTTLED:
+            parse_bandwidth(bandwidth)
+    out_dir = args.out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size).prepare_data()  # tokenize once
+    results: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "runs": []}
+    for bandwidth in args.bandwidths:
+        for variant in args.variants:
+            run = run_under_testbed(variant, bandwidth, args, out_dir)
+            results["runs"].append(run)
+            print(
+                f"{variant:>11} @ {bandwidth:>11}: {run['tokens_per_s']:8.0f} tok/s, "
+                f"{run['pipeline_bytes_per_step']:.0f} B/step, val loss {run['val_loss']:.4f}",
+                file=sys.stderr,
+            )
+    plain = {run["bandwidth"]: run for run in results["runs"] if run["variant"] == "plain"}
+    for run in results["runs"]:
+        base = plain.get(run["bandwidth"])
+        if base is not None:
+            run["bytes_reduction_vs_plain"] = base["pipeline_bytes_per_step"] / run["pipeline_bytes_per_step"]
+            run["speedup_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
+            run["val_loss_vs_plain"] = run["val_loss"] / base["val_loss"] - 1.0
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out_dir / "bytes_and_throughput.png")
+    keys = ("variant", "bandwidth", "tokens_per_s", "pipeline_bytes_per_step", "val_loss", "bytes_reduction_vs_plain",
+            "speedup_vs_plain", "val_loss_vs_plain")  # fmt: skip
+    print(json.dumps({"config": results["config"], "runs": [{k: r.get(k) for k in keys} for r in results["runs"]]}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
