@@ -11,8 +11,8 @@ Shakespeare, every variant from the same seed and data (``recipes/bench_worker.p
 Two phases, because the loss of a run does not depend on the link (runs are deterministic) but its speed does:
 
 1. quality, unthrottled: ``--steps`` steps, validation every ``--val-every`` steps (rank 0's validation shard);
-2. speed, at every ``--bandwidths`` entry: ``--speed-steps`` steps, median step time and the node's wire bytes per
-   step (eth0 counters: payload, TCP/IP headers and gloo framing).
+2. speed, at every throttled ``--bandwidths`` entry: ``--speed-steps`` steps, median step time and the node's wire
+   bytes per step (eth0 counters: payload, TCP/IP headers and gloo framing); unthrottled, phase 1's own numbers.
 
 Derived: the target loss is HSDP's final validation loss x ``(1 + --target-margin)``; a variant's time to target is
 (first validated step at or under the target) x (its median step time at that bandwidth), validation excluded.
@@ -186,7 +186,9 @@ def main() -> None:
         quality[variant] = run_variant(variant, UNTHROTTLED, args.steps, args.val_every, args)
         print(f"{variant}: val losses {quality[variant]['val_losses'][-3:]}", file=sys.stderr, flush=True)
         for bandwidth in args.bandwidths:
-            speed.setdefault(variant, {})[bandwidth] = run_variant(variant, bandwidth, args.speed_steps, 0, args)
+            # Unthrottled, the quality run's own step times and wire bytes are the measurement (validation excluded).
+            run = quality[variant] if bandwidth == UNTHROTTLED else None
+            speed.setdefault(variant, {})[bandwidth] = run or run_variant(variant, bandwidth, args.speed_steps, 0, args)
             measured = speed[variant][bandwidth]
             print(
                 f"{variant} @ {bandwidth}: {measured['median_step_s']:.3f} s/step, wire tx/rx "

@@ -3,7 +3,7 @@
 Framework-free core (no Lightning imports): the shared basis and Grassmann update (:mod:`.basis`), the confined
 layers (:mod:`.layers`), model discovery and surgery (:mod:`.model`), stage modules with the boundary codec
 (:mod:`.stages`, :mod:`.codec`), the subspace-preserving optimizer (:mod:`.optim`) and dense export (:mod:`.export`).
-The pipeline runtime and the Lightning/Fabric strategies build on these. See ``docs/subspace_model.md``.
+The pipeline runtime and the Lightning/Fabric strategies build on these. See ``docs/subspace.md``.
 """
 
 from lightning_hetero.subspace.basis import (

@@ -12,7 +12,7 @@ communication:
 - :func:`propose_basis` takes one Riemannian gradient step on the Grassmann manifold (QR retraction) towards the
   dominant output directions of the constrained matrices' gradients.
 
-See ``docs/subspace_model.md`` for the math.
+See ``docs/subspace.md`` for the math.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ LightningModule holding the model): ``LlamaForCausalLM``, ``MistralForCausalLM``
 ``Qwen3ForCausalLM``. They share the pre-norm layout ``model.{embed_tokens, layers, norm, rotary_emb}`` + ``lm_head``
 with ``self_attn.o_proj`` and ``mlp.down_proj`` as the only residual-stream writers; their trainable norms sit on the
 sublayer *inputs* (and Qwen3's q/k norms inside attention), so confining those two writers and the embedding is
-enough (see ``docs/subspace_model.md``).
+enough (see ``docs/subspace.md``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Replicators: how the local update of each replica is exchanged over the replicate (inter-node) group.
 
 ``build_replicator(name, compression, **options)`` builds one by name; :data:`REPLICATORS` maps names to classes.
-See ``docs/flexdemo_algorithms.md`` for the math and the payload formulas.
+See ``docs/flexdemo.md`` for the math and the payload formulas.
 """
 
 from __future__ import annotations
