@@ -30,7 +30,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -48,7 +47,7 @@ from lightning_hetero.flexdemo.checkpoint import (
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
-from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
 
 __all__ = ["FlexDeMoStrategy"]
 
@@ -64,7 +63,7 @@ class _SyncControl(_BackwardSyncControl):
         return self._strategy._blocked() if enabled else nullcontext()
 
 
-class FlexDeMoStrategy(DDPStrategy):
+class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
     """Fabric strategy for FlexDeMo: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     One model and one optimizer per Fabric. ``setup_optimizers`` converts ``AdamW``/``Adam`` to ``DecoupledAdamW``
@@ -211,19 +210,6 @@ class FlexDeMoStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         self.last_comm_metrics = self.runtime.after_step()
         return output
-
-    @override
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        self.precision.unscale_gradients(optimizer)
-        parameters = self.precision.main_params(optimizer)
-        return self.runtime.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def teardown(self) -> None:

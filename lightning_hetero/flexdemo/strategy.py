@@ -53,7 +53,7 @@ from lightning_hetero.flexdemo.checkpoint import (
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
-from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.strategies.common import destroy_process_group_at_exit
 
 __all__ = ["FlexDeMoStrategy"]
 

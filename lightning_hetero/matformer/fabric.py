@@ -27,15 +27,15 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
-from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
+from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
+from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
 
 __all__ = ["MatFormerStrategy"]
 
@@ -64,7 +64,7 @@ class _SlicingOptimizerLoader:
         self._optimizer.load_state_dict(self._strategy._slice_optimizer_state(state, self._optimizer))
 
 
-class MatFormerStrategy(DDPStrategy):
+class MatFormerStrategy(RuntimeFabricDDPStrategy):
     """Fabric strategy for tiered MatFormer data parallelism: each rank trains its own FFN prefix of one model.
 
     No DDP wrapper: ranks hold different shapes. ``fabric.backward(loss)`` runs the per-region gradient sync right
@@ -228,19 +228,6 @@ class MatFormerStrategy(DDPStrategy):
         """Give every rank rank 0's full model (collective), e.g. before evaluating the full model everywhere."""
         if self._module is not None:
             self.runtime.restore_full(self._module)
-
-    @override
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        self.precision.unscale_gradients(optimizer)
-        parameters = self.precision.main_params(optimizer)
-        return self.runtime.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:

@@ -11,7 +11,6 @@ Every collective goes through :mod:`lightning_hetero.comm` with the label ``"int
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import warnings
@@ -45,7 +44,7 @@ from lightning_hetero.matformer.tiers import (
 )
 from lightning_hetero.matformer.types import FFNParameter
 
-__all__ = ["MatFormerRuntime", "TierEntry", "destroy_process_group_at_exit"]
+__all__ = ["MatFormerRuntime", "TierEntry"]
 
 TierEntry = int | list[int]
 """One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
@@ -401,25 +400,6 @@ class MatFormerRuntime:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-_CLEANUP_REGISTERED = False
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit, in every process, whatever the backend.
-
-    Lightning registers this only for NCCL. Under gloo, a process that exits with its group alive can abort
-    (``terminate called without an active exception``, SIGABRT): gloo's worker threads may still hold finished works
-    whose tensors are released during interpreter finalization. Seen in about 1 of 10 spawned fits here.
-    """
-    global _CLEANUP_REGISTERED
-    if not _CLEANUP_REGISTERED:
-        atexit.register(_destroy_process_group)
-        _CLEANUP_REGISTERED = True
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _step_zero() -> int:

@@ -36,8 +36,9 @@ from typing_extensions import override
 
 from lightning_hetero import comm
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
-from lightning_hetero.matformer.runtime import MatFormerRuntime, destroy_process_group_at_exit
+from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
+from lightning_hetero.strategies.common import destroy_process_group_at_exit
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
 

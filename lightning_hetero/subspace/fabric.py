@@ -30,13 +30,12 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
 from lightning_hetero.subspace import checkpoint as ckpt
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
@@ -45,7 +44,7 @@ __all__ = ["SubspacePipelineStrategy"]
 _STATE_KEY = "subspace_pipeline"
 
 
-class SubspacePipelineStrategy(DDPStrategy):
+class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
     """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
 
     Arguments as in the Trainer's :class:`lightning_hetero.SubspacePipelineStrategy` (``num_stages``, ``rank`` or
@@ -202,19 +201,6 @@ class SubspacePipelineStrategy(DDPStrategy):
             "With SubspacePipelineStrategy, fabric.backward() is not used: strategy.train_step(batch) runs the "
             "forward and backward of every microbatch through the pipeline and returns the loss."
         )
-
-    @override
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        self.precision.unscale_gradients(optimizer)
-        parameters = self.precision.main_params(optimizer)
-        return self.runtime.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:

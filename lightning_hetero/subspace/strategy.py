@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.matformer.runtime import destroy_process_group_at_exit
+from lightning_hetero.strategies.common import destroy_process_group_at_exit
 from lightning_hetero.subspace import checkpoint as ckpt
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
