@@ -20,6 +20,7 @@ Derived: the target loss is HSDP's final validation loss x ``(1 + --target-margi
     sudo python recipes/bench_flexdemo.py                 # all variants: ~1.5 hours on 2 CPU cores
     python recipes/bench_flexdemo.py --variants hsdp demo-1/32-bf16 demo-1/32-sign diloco --steps 150
     python recipes/bench_flexdemo.py --plot-only outputs/bench_flexdemo/results.json
+    python recipes/bench_flexdemo.py --reanalyse outputs/bench_flexdemo/results.json --target-loss 5.4
 """
 
 from __future__ import annotations
@@ -83,10 +84,15 @@ def run_variant(variant: str, bandwidth: str, steps: int, val_every: int, args: 
     return summary
 
 
-def analyse(quality: dict[str, dict], speed: dict[str, dict[str, dict]], margin: float) -> dict[str, Any]:
-    """Bytes ratios, loss gaps and time to target for every variant, relative to ``hsdp``."""
+def analyse(
+    quality: dict[str, dict], speed: dict[str, dict[str, dict]], margin: float, target_loss: float | None = None
+) -> dict[str, Any]:
+    """Bytes ratios, loss gaps and time to target for every variant, relative to ``hsdp``.
+
+    The target is ``target_loss`` when given, else HSDP's final validation loss x ``(1 + margin)``.
+    """
     base = quality["hsdp"]
-    target = base["val_losses"][-1][1] * (1 + margin)
+    target = target_loss if target_loss is not None else base["val_losses"][-1][1] * (1 + margin)
     rows = {}
     for variant, run in quality.items():
         final = run["val_losses"][-1][1]
@@ -164,11 +170,19 @@ def main() -> None:
     parser.add_argument("--target-margin", type=float, default=0.02, help="target = HSDP final loss x (1 + margin)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per testbed run")
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/bench_flexdemo"))
+    parser.add_argument("--target-loss", type=float, help="explicit target validation loss (overrides the margin)")
     parser.add_argument("--plot-only", type=Path, help="re-plot an existing results.json and exit")
+    parser.add_argument("--reanalyse", type=Path, help="recompute the analysis of a results.json (new target) and exit")
     args = parser.parse_args()
 
     if args.plot_only:
         plot(json.loads(args.plot_only.read_text()), args.plot_only.parent)
+        return
+    if args.reanalyse:
+        results = json.loads(args.reanalyse.read_text())
+        results["analysis"] = analyse(results["quality"], results["speed"], args.target_margin, args.target_loss)
+        args.reanalyse.write_text(json.dumps(results, indent=1))
+        print(json.dumps(results["analysis"], indent=1))
         return
     if "hsdp" not in args.variants:
         parser.error("--variants must include hsdp (the baseline every ratio is taken against).")
@@ -198,7 +212,7 @@ def main() -> None:
             )
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     results = {"config": config, "quality": quality, "speed": speed}
-    results["analysis"] = analyse(quality, speed, args.target_margin)
+    results["analysis"] = analyse(quality, speed, args.target_margin, args.target_loss)
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out_dir)
     print(json.dumps(results["analysis"], indent=1))
