@@ -24,8 +24,8 @@ from lightning_hetero.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoS
 from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.flexdemo.strategy import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed
+from tests.token_data import VOCAB, progressions
 
-VOCAB = 64
 CONFIG = {
     "vocab_size": VOCAB,
     "hidden_size": 32,
@@ -39,14 +39,6 @@ CONFIG = {
 WORLD = 4
 
 
-def _sequences(count: int, length: int = 12) -> list[dict[str, torch.Tensor]]:
-    """Arithmetic progressions mod VOCAB: the next token follows from the previous two, so the loss falls fast."""
-    generator = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, VOCAB, (count,), generator=generator)
-    strides = torch.randint(1, 5, (count,), generator=generator)
-    ids = (starts[:, None] + torch.arange(length)[None] * strides[:, None]) % VOCAB
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
 
 class TokenData(L.LightningDataModule):
     """``batches`` batches of 2 per rank and epoch (the same every epoch, so resuming at an epoch end is exact)."""
@@ -56,10 +48,10 @@ class TokenData(L.LightningDataModule):
         self.batches = batches
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_sequences(2 * WORLD * self.batches), batch_size=2, shuffle=False)
+        return DataLoader(progressions(2 * WORLD * self.batches), batch_size=2, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(_sequences(2 * WORLD), batch_size=2, shuffle=False)
+        return DataLoader(progressions(2 * WORLD), batch_size=2, shuffle=False)
 
 
 class TinyLlama(L.LightningModule):
@@ -161,7 +153,7 @@ def _fabric_loop(out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model = fabric.setup_module(LlamaForCausalLM(LlamaConfig(**CONFIG)))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=3e-3))
-    loader = fabric.setup_dataloaders(DataLoader(_sequences(8 * WORLD), batch_size=2, shuffle=False))
+    loader = fabric.setup_dataloaders(DataLoader(progressions(8 * WORLD), batch_size=2, shuffle=False))
     batches = list(loader)
 
     def step(batch: dict[str, torch.Tensor]) -> float:

@@ -23,20 +23,12 @@ from lightning_hetero.fabric import MatFormerStrategy as FabricMatFormerStrategy
 from lightning_hetero.matformer import find_ffns
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.models import CausalLMModule
+from tests.token_data import VOCAB, progressions
 
-VOCAB = 64
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 CLIP = 0.5
 
-
-def _sequences(count: int = 16, length: int = 12) -> list[dict[str, torch.Tensor]]:
-    """Arithmetic progressions mod VOCAB: the next token follows from the previous two, so the loss can fall fast."""
-    generator = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, VOCAB, (count,), generator=generator)
-    strides = torch.randint(1, 5, (count,), generator=generator)
-    ids = (starts[:, None] + torch.arange(length)[None] * strides[:, None]) % VOCAB
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
 class TokenData(L.LightningDataModule):
@@ -47,7 +39,7 @@ class TokenData(L.LightningDataModule):
     """
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_sequences(count=4), batch_size=2, shuffle=False)
+        return DataLoader(progressions(4), batch_size=2, shuffle=False)
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -259,7 +251,7 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
     model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=False))
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = fabric.setup_dataloaders(DataLoader(_sequences(), batch_size=2, shuffle=True))
+    loader = fabric.setup_dataloaders(DataLoader(progressions(16), batch_size=2, shuffle=True))
     batches = [batch for _ in range(2) for batch in loader]  # 8 batches per rank
 
     def step(batch: dict[str, torch.Tensor]) -> float:

@@ -21,30 +21,22 @@ from lightning_hetero import comm
 from lightning_hetero.models import CausalLMModule
 from lightning_hetero.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
 from lightning_hetero.subspace.strategy import SubspacePipelineStrategy
+from tests.token_data import VOCAB, progressions
 
-VOCAB = 64
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 CLIP = 0.5
 
-
-def _sequences(count: int = 4, length: int = 12) -> list[dict[str, torch.Tensor]]:
-    """Arithmetic progressions mod VOCAB: the next token follows from the previous two, so the loss can fall fast."""
-    generator = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, VOCAB, (count,), generator=generator)
-    strides = torch.randint(1, 5, (count,), generator=generator)
-    ids = (starts[:, None] + torch.arange(length)[None] * strides[:, None]) % VOCAB
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
 class TokenData(L.LightningDataModule):
     """One batch of 4 sequences per epoch, the same every epoch (resume then depends only on the restored state)."""
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_sequences(), batch_size=4, shuffle=False)
+        return DataLoader(progressions(4), batch_size=4, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(_sequences(), batch_size=4, shuffle=False)
+        return DataLoader(progressions(4), batch_size=4, shuffle=False)
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -224,7 +216,7 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
     model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=False))
     model = fabric.setup_module(model)  # becomes this rank's stage
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = fabric.setup_dataloaders(DataLoader(_sequences(), batch_size=4, shuffle=False))
+    loader = fabric.setup_dataloaders(DataLoader(progressions(4), batch_size=4, shuffle=False))
     batches = [batch for _ in range(8) for batch in loader]
     strategy = fabric.strategy
 

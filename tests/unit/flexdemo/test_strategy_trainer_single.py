@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
 from lightning_hetero.flexdemo.strategy import FlexDeMoStrategy
 from lightning_hetero.models import CausalLMModule
+from tests.token_data import VOCAB, progressions
 
-VOCAB = 64
 SMALL = {
     "vocab_size": VOCAB,
     "hidden_size": 32,
@@ -40,11 +40,7 @@ class Progressions(L.LightningDataModule):
     """
 
     def _loader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(1)
-        starts = torch.randint(0, VOCAB, (8,), generator=generator)
-        strides = torch.randint(1, 5, (8,), generator=generator)
-        ids = (starts[:, None] + torch.arange(12)[None] * strides[:, None]) % VOCAB
-        return DataLoader([{"input_ids": row, "labels": row.clone()} for row in ids], batch_size=8)
+        return DataLoader(progressions(8), batch_size=8)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader()
