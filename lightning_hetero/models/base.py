@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import lightning as L
@@ -25,8 +24,26 @@ from torchmetrics import Metric
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from typing_extensions import override
 
+from lightning_hetero.models.optimization import WarmupCosineSchedule, validate_optimizer_arguments
 from lightning_hetero.models.presets import build_config, check_config_keys, preset_model_type
-from lightning_hetero.utils.assets import require_module, resolve_path
+from lightning_hetero.models.pretrained import (
+    check_pretrained_compatibility,
+    dequantized_copy,
+    load_pretrained,
+    require_gguf_support,
+)
+from lightning_hetero.utils.assets import resolve_path
+
+# The schedule and the pretrained-model helpers lived here before; they stay importable from this module.
+__all__ = [
+    "DTYPES",
+    "EVAL_STAGES",
+    "HFModuleBase",
+    "WarmupCosineSchedule",
+    "check_pretrained_compatibility",
+    "dequantized_copy",
+    "load_pretrained",
+]
 
 #: Accepted values of the ``dtype`` argument.
 DTYPES: dict[str, torch.dtype] = {
@@ -38,35 +55,6 @@ DTYPES: dict[str, torch.dtype] = {
 
 #: The stages that own a set of evaluation metrics.
 EVAL_STAGES: tuple[str, ...] = ("val", "test")
-
-# Datamodule overrides that name token ids: a pretrained model only needs them inside its vocabulary.
-_TOKEN_ID_SUFFIX = "_token_id"
-
-
-@dataclass
-class WarmupCosineSchedule:
-    """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio``; used as a ``LambdaLR`` lambda.
-
-    ``step`` is the number of optimizer steps already taken. Warmup climbs as ``(step + 1) / (warmup_steps + 1)``
-    so that the first step already learns and the peak (1.0) is reached at ``step == warmup_steps``; the cosine then
-    reaches exactly ``min_lr_ratio`` at the last step, ``total_steps - 1``. With ``total_steps=None`` (unknown or
-    infinite training length) the multiplier stays at 1.0 after warmup.
-
-    A callable object rather than a closure so that ``LambdaLR.state_dict()`` stores its fields in checkpoints.
-    """
-
-    warmup_steps: int
-    total_steps: int | None
-    min_lr_ratio: float
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        if self.total_steps is None:
-            return 1.0
-        decay_steps = max(1, self.total_steps - 1 - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class HFModuleBase(L.LightningModule):
@@ -120,7 +108,7 @@ class HFModuleBase(L.LightningModule):
         self.save_hyperparameters()
         if self.auto_model_class is None:
             raise TypeError(f"{type(self).__name__} must set the class attribute `auto_model_class`.")
-        _validate_optimizer_arguments(learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio)
+        validate_optimizer_arguments(learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
         if config is not None and not isinstance(config, Mapping):
@@ -151,8 +139,7 @@ class HFModuleBase(L.LightningModule):
                     "pretrained=<dir>."
                 ) from error
             if gguf_file is not None:
-                require_module("gguf", "loading GGUF weights (gguf_file)")
-                require_module("accelerate", "loading GGUF weights (gguf_file)")
+                require_gguf_support()
                 if not (directory / gguf_file).is_file():
                     available = sorted(path.name for path in directory.glob("*.gguf"))
                     raise FileNotFoundError(
@@ -390,108 +377,8 @@ class HFModuleBase(L.LightningModule):
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _validate_optimizer_arguments(
-    learning_rate: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, min_lr_ratio: float
-) -> None:
-    if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
-        raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate!r}.")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be >= 0 (0 disables it), got {weight_decay!r}.")
-    if len(tuple(betas)) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.95); got {betas!r}.")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
-    if not (isinstance(min_lr_ratio, (int, float)) and 0.0 <= min_lr_ratio <= 1.0):
-        raise ValueError(f"min_lr_ratio must be in [0, 1] (final fraction of learning_rate), got {min_lr_ratio!r}.")
-
-
 def _batch_size(batch: Mapping[str, torch.Tensor]) -> int:
     tensor = batch.get("labels")
     if tensor is None:
         tensor = next(iter(batch.values()))
     return int(tensor.shape[0])
-
-
-def load_pretrained(auto_model_class: Any, pretrained: str, gguf_file: str | None, dtype: torch.dtype) -> Any:
-    """Load a model offline from a local directory (or ``pkg://`` path), dequantizing a GGUF file if given.
-
-    A GGUF-loaded model keeps a ``quantization_config`` and refuses ``save_pretrained``; its dequantized weights are
-    therefore copied into a clean model of the same class, which saves, checkpoints and shards like any other.
-    """
-    directory = resolve_path(pretrained)
-    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-    if gguf_file is not None:
-        require_module("gguf", "loading GGUF weights (gguf_file)")
-        require_module("accelerate", "loading GGUF weights (gguf_file)")
-        kwargs["gguf_file"] = gguf_file
-    model = auto_model_class.from_pretrained(directory, **kwargs)
-    if getattr(model.config, "quantization_config", None) is not None:
-        model = dequantized_copy(model, dtype)
-    return model
-
-
-def dequantized_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """Copy a loaded quantized model (e.g. from GGUF) into a plain model of the same class and config.
-
-    Raises:
-        RuntimeError: the weights do not map one to one (anything but tied weights missing, or extra weights).
-    """
-    from transformers.initialization import no_init_weights
-
-    config_dict = model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    clean_config = type(model.config).from_dict(config_dict)
-    with no_init_weights():  # every weight is overwritten below; skip the random initialisation
-        clean = type(model)(clean_config)
-    missing, unexpected = clean.load_state_dict(model.state_dict(), strict=False)
-    tied = set(getattr(clean, "_tied_weights_keys", None) or ())
-    missing = [key for key in missing if key not in tied]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"Copying the dequantized weights into a clean {type(model).__name__} failed: missing={missing}, "
-            f"unexpected={unexpected}."
-        )
-    clean.tie_weights()
-    clean.generation_config = model.generation_config
-    return clean.to(dtype=dtype)
-
-
-def check_pretrained_compatibility(config: PretrainedConfig, data_overrides: Mapping[str, Any]) -> None:
-    """Check a pretrained model against the datamodule's ``hf_config_overrides()`` instead of applying them.
-
-    * ``vocab_size``: the tokenizer's vocabulary must fit the model's embedding (may be smaller).
-    * ``*_token_id``: must lie inside the model's vocabulary; missing ids are filled in, differing ones warn.
-    * anything else present on the config (``image_size``, ``num_channels``, ``num_labels``, ...) must be equal.
-
-    Raises:
-        ValueError: naming the mismatching key, both values, and the fix.
-    """
-    model_vocab = getattr(config, "vocab_size", None)
-    for key, wanted in data_overrides.items():
-        if key == "vocab_size":
-            if model_vocab is not None and wanted > model_vocab:
-                raise ValueError(
-                    f"The datamodule's tokenizer has vocab_size={wanted}, larger than the pretrained model's embedding "
-                    f"({model_vocab} rows): token ids >= {model_vocab} would crash. Use the model's own tokenizer."
-                )
-        elif key.endswith(_TOKEN_ID_SUFFIX):
-            if wanted is None:
-                continue
-            ids = wanted if isinstance(wanted, (list, tuple)) else [wanted]
-            if model_vocab is not None and any(token_id >= model_vocab for token_id in ids):
-                raise ValueError(
-                    f"The datamodule's {key}={wanted} is outside the pretrained model's vocabulary ({model_vocab})."
-                )
-            current = getattr(config, key, None)
-            if current is None:
-                setattr(config, key, wanted)
-            elif current != wanted:
-                rank_zero_warn(
-                    f"The datamodule's {key}={wanted} differs from the pretrained model's {key}={current}; the "
-                    f"model keeps its own. Check that the datamodule uses the model's tokenizer."
-                )
-        elif hasattr(config, key) and getattr(config, key) != wanted:
-            raise ValueError(
-                f"The datamodule needs {key}={wanted!r} but the pretrained model has {key}={getattr(config, key)!r}. "
-                f"Use a datamodule that matches the model, or train from a preset."
-            )

@@ -27,45 +27,17 @@ class Seq2SeqModule(HFModuleBase):
 
     Args:
         preset: Preset name (``"t5-tiny"``, ``"t5-small"``); ignored when ``pretrained`` is set.
-        config: HF config overrides of the preset, or with ``preset=None`` a full config with ``model_type``.
-        pretrained: Local directory or ``pkg://<package>`` path of a saved model.
-        gguf_file: GGUF file inside ``pretrained``.
-        dtype: Parameter dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"float64"``.
-        learning_rate: Peak AdamW learning rate.
-        weight_decay: Weight decay on linear-layer matrices only.
-        betas: AdamW betas.
-        warmup_steps: Linear warmup steps.
-        min_lr_ratio: Final learning rate as a fraction of ``learning_rate`` (cosine decay).
+        *args: The other arguments of :class:`HFModuleBase`, in its order.
+        **kwargs: The same, by name.
     """
 
     auto_model_class = AutoModelForSeq2SeqLM
     progress_bar_metric = "token_accuracy"
 
-    def __init__(
-        self,
-        preset: str | None = "t5-tiny",
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        gguf_file: str | None = None,
-        dtype: str = "float32",
-        learning_rate: float = 3e-4,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
-    ) -> None:
-        super().__init__(
-            preset=preset,
-            config=config,
-            pretrained=pretrained,
-            gguf_file=gguf_file,
-            dtype=dtype,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            betas=betas,
-            warmup_steps=warmup_steps,
-            min_lr_ratio=min_lr_ratio,
-        )
+    def __init__(self, preset: str | None = "t5-tiny", *args: Any, **kwargs: Any) -> None:
+        # Only the default preset differs from HFModuleBase; LightningCLI resolves the other arguments through
+        # the forwarding call, so YAML `init_args` and positional calls keep the base class' full signature.
+        super().__init__(preset, *args, **kwargs)
 
     @override
     def validate_config(self, config: PretrainedConfig) -> None:
