@@ -1,0 +1,267 @@
+"""The seed's sparse-gradient exchange for flip training: threshold, encode, aggregate, top-k flips, broadcast.
+
+Every rank holds the same codes and a flat gradient ``g = dL/dcodes`` over a
+:class:`~lightning_hetero.lowbit.flip.CodeLayout` of ``numel`` codes. One step:
+
+1. each rank keeps the entries with ``|g| > tau`` (``tau`` fixed) or its ``ceil(density * numel)`` largest ``|g|``
+   (:func:`select_sparse`) and encodes them (:func:`encode_sparse`);
+2. the lists are summed into a dense gradient in rank order, moves of codes already saturated in their direction are
+   dropped and the ``k`` largest remaining ``|sum|`` become the flip set (:func:`aggregate_flips`), either
+   - ``mode="server"``: workers ``send`` their list to the server rank, which aggregates and ``broadcast`` s the flip
+     set (:func:`encode_flips`), or
+   - ``mode="allgather"``: every rank ``all_gather`` s every list and aggregates the same way itself;
+3. every rank applies the decoded flip set. Both modes decode the same bytes and sum in the same order, so they give
+   the identical flip set, bit for bit, on every rank.
+
+The byte layouts and their validating decoders live in :mod:`lightning_hetero.lowbit.wire`.
+
+Wire (counted by :mod:`lightning_hetero.comm`; :func:`exchange_bytes` is the exact formula the ledger records):
+the server mode sends the 4-byte header then the body (skipped when empty) per worker, and broadcasts the flip
+header then its body; the all-gather mode all-gathers the headers then the bodies zero-padded to the longest one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hetero import comm
+from lightning_hetero.comm import codecs
+from lightning_hetero.lowbit.flip import topk_moves
+from lightning_hetero.lowbit.wire import (
+    HEADER_BYTES,
+    decode_flips,
+    decode_sparse,
+    encode_flips,
+    encode_sparse,
+    flip_message_nbytes,
+    index_bits,
+    read_count,
+    sparse_message_nbytes,
+)
+
+__all__ = [
+    "EXCHANGE_MODES",
+    "SparseFlipExchange",
+    "aggregate_flips",
+    "exchange_bytes",
+    "select_sparse",
+]
+
+EXCHANGE_MODES: tuple[str, ...] = ("server", "allgather")
+
+
+def select_sparse(
+    grad: torch.Tensor, tau: float | None = None, density: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries of a flat gradient worth sending: ``|g| > tau``, or the ``ceil(density * numel)`` largest ``|g|``.
+
+    Exactly one of ``tau`` and ``density`` must be given. Zeros are never selected; ties go to the lower index.
+
+    Returns:
+        ``(indices int64 ascending, values float32)``.
+
+    Raises:
+        ValueError: Both or neither criterion, a bad value, or a NaN/Inf gradient.
+    """
+    if (tau is None) == (density is None):
+        raise ValueError("give exactly one of tau and density.")
+    flat = grad.detach().reshape(-1).float()
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("gradient contains NaN or Inf; refusing to send it.")
+    magnitude = flat.abs()
+    if tau is not None:
+        if not tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {tau}.")
+        indices = torch.nonzero(magnitude > tau).reshape(-1)
+    else:
+        if not 0.0 <= density <= 1.0:  # type: ignore[operator]
+            raise ValueError(f"density must be in [0, 1], got {density}.")
+        k = min(math.ceil(density * flat.numel()), flat.numel())  # type: ignore[operator]
+        order = torch.argsort(magnitude, descending=True, stable=True)[:k]
+        indices = order[magnitude[order] > 0].sort().values
+    return indices, flat[indices]
+
+
+def aggregate_flips(
+    lists: Sequence[tuple[torch.Tensor, torch.Tensor]], codes: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum sparse lists (in the given order) into a dense gradient and pick the top-``k`` allowed moves.
+
+    Args:
+        lists: ``(indices, values)`` per rank, rank order.
+        codes: Flat int8 codes (identical on every rank).
+        k: Maximum number of moves.
+
+    Returns:
+        ``(indices int64 ascending, directions int8)``; moves of saturated codes are never chosen.
+    """
+    dense = torch.zeros(codes.numel(), dtype=torch.float32)
+    for indices, values in lists:
+        dense.index_add_(0, indices.cpu(), values.cpu().float())
+    return topk_moves(dense, codes.reshape(-1).cpu(), k)
+
+
+def exchange_bytes(
+    message_nbytes: Sequence[int], flips_nbytes: int, mode: str, server: int = 0
+) -> list[tuple[int, int]]:
+    """Exact ``(sent, received)`` payload bytes of one exchange step per rank (what the ledger records).
+
+    Args:
+        message_nbytes: Encoded sparse-list size of every rank (rank order; see :func:`sparse_message_nbytes`).
+        flips_nbytes: Encoded flip-set size (server mode only; see :func:`flip_message_nbytes`).
+        mode: ``"server"`` or ``"allgather"``.
+        server: Server rank (server mode).
+    """
+    if mode not in EXCHANGE_MODES:
+        raise ValueError(f"mode must be one of {list(EXCHANGE_MODES)}, got {mode!r}.")
+    n = len(message_nbytes)
+    if n <= 1:
+        return [(0, 0)] * n
+    if mode == "allgather":
+        both = (n - 1) * max(message_nbytes)
+        return [(both, both)] * n
+    up = sum(size for rank, size in enumerate(message_nbytes) if rank != server)
+    return [
+        ((n - 1) * flips_nbytes, up) if r == server else (size, flips_nbytes) for r, size in enumerate(message_nbytes)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ the exchange
+class SparseFlipExchange:
+    """One distributed flip step over counted collectives (see the module docstring).
+
+    Args:
+        numel: Codes in the flat layout.
+        k: Flips per step.
+        tau: Fixed threshold on ``|g|`` (give this or ``density``).
+        density: Fraction of entries each rank sends.
+        encoding: Value encoding of the sparse lists.
+        mode: ``"server"`` or ``"allgather"``.
+        server: Group rank of the parameter server.
+        label: Ledger label of the traffic.
+        group: Process group (default WORLD).
+        ledger: Ledger to record into (default: the process-global one).
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        k: int,
+        tau: float | None = None,
+        density: float | None = None,
+        encoding: str = "bf16",
+        mode: str = "server",
+        server: int = 0,
+        label: str = comm.INTER,
+        group: Any | None = None,
+        ledger: comm.ByteLedger | None = None,
+    ) -> None:
+        if mode not in EXCHANGE_MODES:
+            raise ValueError(f"mode must be one of {list(EXCHANGE_MODES)}, got {mode!r}.")
+        if (tau is None) == (density is None):
+            raise ValueError("give exactly one of tau and density.")
+        index_bits(numel)
+        self.numel, self.k, self.tau, self.density = numel, k, tau, density
+        self.encoding = codecs.validate_value_encoding(encoding)
+        self.mode, self.server, self.label, self.group, self.ledger = mode, server, label, group, ledger
+        self.last_message_nbytes: list[int] = []
+        self.last_flips_nbytes = 0
+        self.last_bytes: tuple[int, int] = (0, 0)
+        self.last_selected = 0
+
+    def _rank_world(self) -> tuple[int, int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def step(self, grad: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exchange this rank's sparse gradient and return the common flip set ``(indices, directions)``.
+
+        Afterwards ``last_bytes`` is this rank's ``(sent, received)`` (the :func:`exchange_bytes` entry),
+        ``last_selected`` the entries it sent, ``last_flips_nbytes`` the flip-set size, and ``last_message_nbytes``
+        every rank's list size where this rank saw them (all-gather mode and the server; a worker sees its own).
+        """
+        if grad.numel() != self.numel or codes.numel() != self.numel:
+            raise ValueError(f"grad and codes must have {self.numel} elements, got {grad.numel()}, {codes.numel()}.")
+        indices, values = select_sparse(grad, self.tau, self.density)
+        message = encode_sparse(indices, values, self.numel, self.encoding)
+        self.last_selected = indices.numel()
+        rank, n = self._rank_world()
+        kwargs = {"label": self.label, "group": self.group, "ledger": self.ledger}
+        if n == 1 or self.mode == "allgather":
+            messages = self._all_gather(message, n, kwargs) if n > 1 else [message]
+            self.last_message_nbytes = [m.numel() for m in messages]
+            lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
+            flips = encode_flips(*aggregate_flips(lists, codes, self.k), self.numel)
+            self.last_bytes = exchange_bytes(self.last_message_nbytes, flips.numel(), "allgather")[rank]
+        else:
+            self.last_message_nbytes = [message.numel()]
+            flips = self._via_server(message, rank, n, codes, kwargs)
+            if rank == self.server:
+                self.last_bytes = exchange_bytes(self.last_message_nbytes, flips.numel(), "server", self.server)[rank]
+            else:
+                self.last_bytes = (message.numel(), flips.numel())
+        self.last_flips_nbytes = flips.numel()
+        return decode_flips(flips, self.numel)
+
+    def _all_gather(self, message: torch.Tensor, n: int, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(n)]
+        comm.all_gather(headers, message[:HEADER_BYTES].clone(), **kwargs)
+        sizes = [self._size_from_header(h) for h in headers]
+        longest = max(sizes) - HEADER_BYTES
+        if longest == 0:
+            return headers
+        body = torch.zeros(longest, dtype=torch.uint8)
+        body[: message.numel() - HEADER_BYTES] = message[HEADER_BYTES:]
+        bodies = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+        comm.all_gather(bodies, body, **kwargs)
+        return [torch.cat((h, b[: s - HEADER_BYTES])) for h, b, s in zip(headers, bodies, sizes, strict=True)]
+
+    def _size_from_header(self, header: torch.Tensor) -> int:
+        count = read_count(header)
+        if count > self.numel:
+            raise ValueError(f"sparse message header: count {count} exceeds numel {self.numel}.")
+        return sparse_message_nbytes(count, self.numel, self.encoding)
+
+    def _via_server(
+        self, message: torch.Tensor, rank: int, n: int, codes: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        server = self._global(self.server)
+        if rank != self.server:
+            comm.send(message[:HEADER_BYTES].clone(), server, **kwargs)
+            if message.numel() > HEADER_BYTES:
+                comm.send(message[HEADER_BYTES:].clone(), server, **kwargs)
+        else:
+            messages = []
+            for src in range(n):
+                if src == rank:
+                    messages.append(message)
+                    continue
+                header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+                comm.recv(header, self._global(src), **kwargs)
+                body = torch.empty(self._size_from_header(header) - HEADER_BYTES, dtype=torch.uint8)
+                if body.numel():
+                    comm.recv(body, self._global(src), **kwargs)
+                messages.append(torch.cat((header, body)))
+            self.last_message_nbytes = [m.numel() for m in messages]
+            lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
+            flips = encode_flips(*aggregate_flips(lists, codes, self.k), self.numel)
+        header = flips[:HEADER_BYTES].clone() if rank == self.server else torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        comm.broadcast(header, server, **kwargs)
+        size = flip_message_nbytes(read_count(header), self.numel) if read_count(header) <= self.numel else -1
+        if size < 0:
+            raise ValueError("flip message header: count exceeds numel.")
+        body = (
+            flips[HEADER_BYTES:].clone() if rank == self.server else torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
+        )
+        if body.numel():
+            comm.broadcast(body, server, **kwargs)
+        return torch.cat((header, body))
