@@ -81,7 +81,7 @@ def select_sparse(
     else:
         if not 0.0 <= density <= 1.0:  # type: ignore[operator]
             raise ValueError(f"density must be in [0, 1], got {density}.")
-        k = min(math.ceil(density * flat.numel()), flat.numel())  # type: ignore[operator]
+        k = min(math.ceil(round(density * flat.numel(), 9)), flat.numel())  # type: ignore[operator]
         order = torch.argsort(magnitude, descending=True, stable=True)[:k]
         indices = order[magnitude[order] > 0].sort().values
     return indices, flat[indices]

@@ -30,6 +30,7 @@ def test_select_by_threshold_and_density() -> None:
     idx, _ = select_sparse(g, density=0.5)  # ceil(3): |3.0|, |-2.0|, then tie 0.5/-0.5 -> lower index
     assert idx.tolist() == [1, 3, 5]
     assert select_sparse(torch.zeros(4), density=1.0)[0].numel() == 0  # zeros never sent
+    assert select_sparse(torch.arange(1.0, 101.0), density=0.07)[0].numel() == 7  # 0.07 * 100 = 7.000000000000001
     with pytest.raises(ValueError, match="exactly one"):
         select_sparse(g)
     with pytest.raises(ValueError, match="NaN"):
