@@ -50,16 +50,26 @@ recorded) unless the ``WORLD_SIZE`` environment variable says there should be mo
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_hetero.comm.dtypes import GLOO_NATIVE_DTYPES, as_wire_input, as_wire_output, reduction_wire
-from lightning_hetero.comm.ledger import COUNTED_OPS, ByteLedger, get_ledger, validate_label, wire_bytes
+from lightning_hetero.comm.ledger import COUNTED_OPS, ByteLedger, validate_label, wire_bytes
+from lightning_hetero.comm.wrapping import (
+    REDUCE_OPS,
+    TORCH_REDUCE_OPS,
+    copy_local,
+    finish,
+    group_info,
+    nbytes,
+    record,
+    reduce_op_name,
+    reduction_finalizer,
+    start_call,
+)
 
 __all__ = [
     "COUNTED_OPS",
@@ -78,113 +88,10 @@ __all__ = [
     "wire_bytes",
 ]
 
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 
-_TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,  # emulated: sum, then divide by the group size
-    "product": dist.ReduceOp.PRODUCT,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "band": dist.ReduceOp.BAND,
-    "bor": dist.ReduceOp.BOR,
-    "bxor": dist.ReduceOp.BXOR,
-}
-
-
-# ------------------------------------------------------------------------------------------------------ helpers
-class _FinalizingWork:
-    """Work-like handle whose ``wait()`` also runs a completion step (AVG division, copy back from the wire dtype)."""
-
-    def __init__(self, work: Any | None, finalize: Callable[[], None]) -> None:
-        self._work = work
-        self._finalize = finalize
-        self._done = False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective finished, then finalize the result in place (once)."""
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-        if not self._done:
-            self._finalize()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        """True once :meth:`wait` has run the completion step."""
-        return self._done
-
-
-def _group_info(group: Any | None, op: str) -> tuple[int, bool]:
-    """``(group_size, initialized)``; raises when running alone would silently give wrong results."""
-    if dist.is_available() and dist.is_initialized():
-        group_size = dist.get_world_size(group)
-        if group_size < 1:  # torch would silently skip the call; in our code that is always a bug
-            raise ValueError(
-                f"lightning_hetero.comm.{op}: global rank {dist.get_rank()} is not a member of the given process group."
-            )
-        return group_size, True
-    expected = os.environ.get("WORLD_SIZE", "1")
-    if expected.strip() not in ("", "1") or group is not None:
-        raise RuntimeError(
-            f"lightning_hetero.comm.{op}: torch.distributed is not initialized but WORLD_SIZE={expected!r}"
-            f"{' and a group was given' if group is not None else ''}. Call torch.distributed.init_process_group"
-            " first (Lightning strategies do this in setup_environment), or unset WORLD_SIZE for a single process."
-        )
-    return 1, False
-
-
-def _record(ledger: ByteLedger | None, op: str, label: str, payload: int, group_size: int, **formula: Any) -> None:
-    sent, received = wire_bytes(op, payload, group_size, **formula)
-    (ledger if ledger is not None else get_ledger()).record(op, label, payload, sent, received, group_size)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _reduce_op_name(op: str | dist.ReduceOp) -> str:
-    if isinstance(op, str):
-        name = op.lower()
-        if name in _TORCH_OPS:
-            return name
-    else:
-        for name, torch_op in _TORCH_OPS.items():
-            if name != "avg" and op == torch_op:
-                return name
-        if op == dist.ReduceOp.AVG:
-            return "avg"
-    raise ValueError(f"Unsupported reduce op {op!r}; use one of {list(REDUCE_OPS)}.")
-
-
-def _finish(work: Any | None, finalize: Callable[[], None] | None, async_op: bool) -> Any | None:
-    """Return the right handle: raw Work when nothing is left to do, else one that finalizes on ``wait()``."""
-    if not async_op:
-        if finalize is not None:
-            finalize()
-        return None
-    if finalize is None and work is not None:
-        return work
-    return _FinalizingWork(work, finalize or (lambda: None))
-
-
-def _copy_local(output: torch.Tensor, tensor: torch.Tensor) -> None:
-    output.copy_(tensor.reshape(output.shape))
-
-
-def _reduction_finalizer(
-    wire: torch.Tensor, target: torch.Tensor, write_back: Callable[[torch.Tensor], None], name: str, n: int
-) -> Callable[[], None] | None:
-    """What is left after a reduction lands in ``wire``: divide for ``"avg"``, copy an upcast back into ``target``."""
-    if wire is target and not (name == "avg" and n > 1):
-        return None
-
-    def finalize() -> None:
-        if name == "avg":
-            wire.div_(n)
-        write_back(wire)
-
-    return finalize
+def _check_same_dtype(output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
 
 
 # ---------------------------------------------------------------------------------------------------- reductions
@@ -212,13 +119,12 @@ def all_reduce(
         A Work-like handle when ``async_op`` else None.
     """
     validate_label(label)
-    name = _reduce_op_name(op)
-    n, initialized = _group_info(group, "all_reduce")
+    name = reduce_op_name(op)
+    n, initialized = group_info(group, "all_reduce")
     wire, write_back = reduction_wire(tensor, name)
-    work = dist.all_reduce(wire, op=_TORCH_OPS[name], group=group, async_op=async_op) if initialized else None
-    _record(ledger, "all_reduce", label, _nbytes(wire), n)
-
-    return _finish(work, _reduction_finalizer(wire, tensor, write_back, name, n), async_op)
+    work = dist.all_reduce(wire, op=TORCH_REDUCE_OPS[name], group=group, async_op=async_op) if initialized else None
+    record(ledger, "all_reduce", label, nbytes(wire), n)
+    return finish(work, reduction_finalizer(wire, tensor, write_back, name, n), async_op)
 
 
 def reduce_scatter_tensor(
@@ -237,30 +143,25 @@ def reduce_scatter_tensor(
         output: Receives this rank's reduced chunk (``input.numel() // n`` elements, same dtype).
         input: The full tensor to reduce; counted as ``S``.
         op: As in :func:`all_reduce`.
-        label: Link label recorded in the ledger.
-        group: Process group (default WORLD).
-        async_op: Return a handle; call its ``wait()`` before reading ``output``.
-        ledger: Ledger to record into (default: the process-global one).
+        label, group, async_op, ledger: As in :func:`all_reduce`.
 
     Returns:
         A Work-like handle when ``async_op`` else None.
     """
     validate_label(label)
-    name = _reduce_op_name(op)
-    n, initialized = _group_info(group, "reduce_scatter_tensor")
-    if output.dtype != input.dtype:
-        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
+    name = reduce_op_name(op)
+    n, initialized = group_info(group, "reduce_scatter_tensor")
+    _check_same_dtype(output, input)
     wire_in, _ = reduction_wire(input, name)
     wire_out, write_back = reduction_wire(output, name)
     if not initialized:
         work = None
-        _copy_local(wire_out, wire_in)
+        copy_local(wire_out, wire_in)
     else:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        work = fn(wire_out, wire_in, op=_TORCH_OPS[name], group=group, async_op=async_op)
-    _record(ledger, "reduce_scatter_tensor", label, _nbytes(wire_in), n)
-
-    return _finish(work, _reduction_finalizer(wire_out, output, write_back, name, n), async_op)
+        work = fn(wire_out, wire_in, op=TORCH_REDUCE_OPS[name], group=group, async_op=async_op)
+    record(ledger, "reduce_scatter_tensor", label, nbytes(wire_in), n)
+    return finish(work, reduction_finalizer(wire_out, output, write_back, name, n), async_op)
 
 
 # ------------------------------------------------------------------------------------------------ data movement
@@ -278,26 +179,21 @@ def all_gather_into_tensor(
     Args:
         output: ``n`` times the size of ``input``, same dtype; contiguous when the dtype is bit-cast.
         input: This rank's contribution; counted as ``S_local``.
-        label: Link label recorded in the ledger.
-        group: Process group (default WORLD).
-        async_op: Return the Work handle.
-        ledger: Ledger to record into (default: the process-global one).
+        label, group, async_op, ledger: As in :func:`all_reduce`.
 
     Returns:
         A Work handle when ``async_op`` else None.
     """
-    validate_label(label)
-    n, initialized = _group_info(group, "all_gather_into_tensor")
-    if output.dtype != input.dtype:
-        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
+    n, initialized = start_call("all_gather_into_tensor", label, group)
+    _check_same_dtype(output, input)
     if not initialized:
         work = None
-        _copy_local(output, input)
+        copy_local(output, input)
     else:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
         work = fn(as_wire_output(output, "output"), as_wire_input(input), group=group, async_op=async_op)
-    _record(ledger, "all_gather_into_tensor", label, _nbytes(input), n)
-    return _finish(work, None, async_op)
+    record(ledger, "all_gather_into_tensor", label, nbytes(input), n)
+    return finish(work, None, async_op)
 
 
 def all_gather(
@@ -314,26 +210,22 @@ def all_gather(
     Args:
         tensor_list: ``n`` tensors shaped like ``tensor``; contiguous when the dtype is bit-cast.
         tensor: This rank's contribution; counted as ``S_local``.
-        label: Link label recorded in the ledger.
-        group: Process group (default WORLD).
-        async_op: Return the Work handle.
-        ledger: Ledger to record into (default: the process-global one).
+        label, group, async_op, ledger: As in :func:`all_reduce`.
 
     Returns:
         A Work handle when ``async_op`` else None.
     """
-    validate_label(label)
-    n, initialized = _group_info(group, "all_gather")
+    n, initialized = start_call("all_gather", label, group)
     if len(tensor_list) != n:
         raise ValueError(f"tensor_list must hold one tensor per rank ({n}), got {len(tensor_list)}.")
     if not initialized:
         work = None
-        _copy_local(tensor_list[0], tensor)
+        copy_local(tensor_list[0], tensor)
     else:
         outputs = [as_wire_output(t, f"tensor_list[{i}]") for i, t in enumerate(tensor_list)]
         work = dist.all_gather(outputs, as_wire_input(tensor), group=group, async_op=async_op)
-    _record(ledger, "all_gather", label, _nbytes(tensor), n)
-    return _finish(work, None, async_op)
+    record(ledger, "all_gather", label, nbytes(tensor), n)
+    return finish(work, None, async_op)
 
 
 def broadcast(
@@ -350,16 +242,12 @@ def broadcast(
     Args:
         tensor: Source on ``src``, overwritten elsewhere; contiguous when the dtype is bit-cast.
         src: Global rank of the root.
-        label: Link label recorded in the ledger.
-        group: Process group (default WORLD).
-        async_op: Return the Work handle.
-        ledger: Ledger to record into (default: the process-global one).
+        label, group, async_op, ledger: As in :func:`all_reduce`.
 
     Returns:
         A Work handle when ``async_op`` else None.
     """
-    validate_label(label)
-    n, initialized = _group_info(group, "broadcast")
+    n, initialized = start_call("broadcast", label, group)
     if not initialized:
         if src != 0:
             raise ValueError(f"broadcast src={src} does not exist in a single-process run (only rank 0).")
@@ -367,8 +255,8 @@ def broadcast(
     else:
         work = dist.broadcast(as_wire_output(tensor, "tensor"), src=src, group=group, async_op=async_op)
         rank = dist.get_rank()
-    _record(ledger, "broadcast", label, _nbytes(tensor), n, rank=rank, src=src)
-    return _finish(work, None, async_op)
+    record(ledger, "broadcast", label, nbytes(tensor), n, rank=rank, src=src)
+    return finish(work, None, async_op)
 
 
 def all_to_all_single(
@@ -389,25 +277,20 @@ def all_to_all_single(
         input: This rank's blocks; rank ``j`` gets the ``j``-th. Counted as ``S_in``.
         output_split_sizes: Rows received from each rank (default: equal split).
         input_split_sizes: Rows sent to each rank (default: equal split).
-        label: Link label recorded in the ledger.
-        group: Process group (default WORLD).
-        async_op: Return the Work handle.
-        ledger: Ledger to record into (default: the process-global one).
+        label, group, async_op, ledger: As in :func:`all_reduce`.
 
     Returns:
         A Work handle when ``async_op`` else None.
     """
-    validate_label(label)
-    n, initialized = _group_info(group, "all_to_all_single")
-    if output.dtype != input.dtype:
-        raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
-    row_in = _nbytes(input) // input.shape[0] if input.dim() and input.shape[0] else 0
-    row_out = _nbytes(output) // output.shape[0] if output.dim() and output.shape[0] else 0
+    n, initialized = start_call("all_to_all_single", label, group)
+    _check_same_dtype(output, input)
+    row_in = nbytes(input) // input.shape[0] if input.dim() and input.shape[0] else 0
+    row_out = nbytes(output) // output.shape[0] if output.dim() and output.shape[0] else 0
     rank = dist.get_rank(group) if initialized else 0
-    own = _nbytes(input) // n if input_split_sizes is None else input_split_sizes[rank] * row_in
+    own = nbytes(input) // n if input_split_sizes is None else input_split_sizes[rank] * row_in
     if not initialized:
         work = None
-        _copy_local(output, input)
+        copy_local(output, input)
     elif input.dtype in GLOO_NATIVE_DTYPES:
         work = dist.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
@@ -423,16 +306,31 @@ def all_to_all_single(
             group=group,
             async_op=async_op,
         )
-    _record(ledger, "all_to_all_single", label, _nbytes(input), n, output_bytes=_nbytes(output), own_block_bytes=own)
-    return _finish(work, None, async_op)
+    record(ledger, "all_to_all_single", label, nbytes(input), n, output_bytes=nbytes(output), own_block_bytes=own)
+    return finish(work, None, async_op)
 
 
 # --------------------------------------------------------------------------------------------- point to point
-def _p2p_group_size(group: Any | None, op: str) -> int:
-    n, initialized = _group_info(group, op)
+def _point_to_point(
+    op: str,
+    call: Callable[..., Any],
+    tensor: torch.Tensor,
+    peer: Mapping[str, int | None],
+    *,
+    label: str,
+    group: Any | None,
+    tag: int,
+    ledger: ByteLedger | None,
+) -> Any:
+    """Run ``call`` (``dist.send``, ``dist.irecv``, ...) on ``tensor``'s wire form and record ``S`` = its bytes."""
+    n, initialized = start_call(op, label, group)
     if not initialized:
         raise RuntimeError(f"lightning_hetero.comm.{op} needs an initialized process group with a peer.")
-    return n
+    receiving = op in ("recv", "irecv")
+    wire = as_wire_output(tensor, "tensor") if receiving else as_wire_input(tensor)
+    result = call(wire, **peer, group=group, tag=tag)
+    record(ledger, op, label, nbytes(tensor), n)
+    return result
 
 
 def send(
@@ -445,10 +343,7 @@ def send(
     ledger: ByteLedger | None = None,
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` (blocking); records ``S`` sent."""
-    validate_label(label)
-    n = _p2p_group_size(group, "send")
-    dist.send(as_wire_input(tensor), dst=dst, group=group, tag=tag)
-    _record(ledger, "send", label, _nbytes(tensor), n)
+    _point_to_point("send", dist.send, tensor, {"dst": dst}, label=label, group=group, tag=tag, ledger=ledger)
 
 
 def recv(
@@ -461,11 +356,7 @@ def recv(
     ledger: ByteLedger | None = None,
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (any rank when None, blocking); returns the sender's rank."""
-    validate_label(label)
-    n = _p2p_group_size(group, "recv")
-    sender = dist.recv(as_wire_output(tensor, "tensor"), src=src, group=group, tag=tag)
-    _record(ledger, "recv", label, _nbytes(tensor), n)
-    return sender
+    return _point_to_point("recv", dist.recv, tensor, {"src": src}, label=label, group=group, tag=tag, ledger=ledger)
 
 
 def isend(
@@ -478,11 +369,7 @@ def isend(
     ledger: ByteLedger | None = None,
 ) -> Any:
     """Start sending ``tensor`` to global rank ``dst``; returns the Work handle. Bytes are recorded now."""
-    validate_label(label)
-    n = _p2p_group_size(group, "isend")
-    work = dist.isend(as_wire_input(tensor), dst=dst, group=group, tag=tag)
-    _record(ledger, "isend", label, _nbytes(tensor), n)
-    return work
+    return _point_to_point("isend", dist.isend, tensor, {"dst": dst}, label=label, group=group, tag=tag, ledger=ledger)
 
 
 def irecv(
@@ -495,16 +382,12 @@ def irecv(
     ledger: ByteLedger | None = None,
 ) -> Any:
     """Start receiving into ``tensor`` from global rank ``src``; returns the Work handle. Bytes are recorded now."""
-    validate_label(label)
-    n = _p2p_group_size(group, "irecv")
-    work = dist.irecv(as_wire_output(tensor, "tensor"), src=src, group=group, tag=tag)
-    _record(ledger, "irecv", label, _nbytes(tensor), n)
-    return work
+    return _point_to_point("irecv", dist.irecv, tensor, {"src": src}, label=label, group=group, tag=tag, ledger=ledger)
 
 
 def barrier(*, group: Any | None = None, async_op: bool = False) -> Any | None:
     """Synchronize the group. Not recorded in the ledger (no payload); a no-op in a single uninitialized process."""
-    _, initialized = _group_info(group, "barrier")
+    _, initialized = group_info(group, "barrier")
     if not initialized:
-        return _finish(None, None, async_op)
+        return finish(None, None, async_op)
     return dist.barrier(group=group, async_op=async_op)
