@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, build_replicator
-from lightning_hetero.matformer.aggregate import RegionGroups
+from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.tiers import HelperConfig, TierLayout, layer_regions
 from lightning_hetero.matformer.types import FFNParameter
 

@@ -139,7 +139,7 @@ def test_helper_draw_covers_every_tail_neuron_within_the_promised_windows() -> N
 
 
 def test_seeded_permutation_hash_matches_a_plain_python_reference() -> None:
-    from lightning_hetero.matformer.tiers import _mix32
+    from lightning_hetero.matformer.helper_ranks import _mix32
 
     def lowbias32(x: int) -> int:
         x ^= x >> 16
