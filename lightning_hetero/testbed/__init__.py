@@ -15,14 +15,7 @@ Needs root and iproute2; :func:`check_environment` refuses otherwise with one li
 """
 
 from lightning_hetero.testbed.bed import RunResult, Testbed, TestbedInterrupted
-from lightning_hetero.testbed.checks import (
-    TbfParameters,
-    TestbedConfigError,
-    check_environment,
-    parse_latency,
-    parse_rate,
-    tbf_parameters,
-)
+from lightning_hetero.testbed.checks import TestbedConfigError, check_environment, parse_latency, parse_rate
 from lightning_hetero.testbed.launch import LAUNCH_MODES, node_environment, rank_environment, worst_exit_code
 from lightning_hetero.testbed.netns import (
     InterfaceCounters,
@@ -32,6 +25,7 @@ from lightning_hetero.testbed.netns import (
     netem_available,
 )
 from lightning_hetero.testbed.report import REPORT_SCHEMA, build_report
+from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 
 __all__ = [
     "LAUNCH_MODES",

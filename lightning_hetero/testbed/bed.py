@@ -17,12 +17,10 @@ from typing import Any, TextIO
 
 from lightning_hetero.comm.dump import load_ledger_dumps
 from lightning_hetero.testbed.checks import (
-    TbfParameters,
     TestbedConfigError,
     check_environment,
     parse_latency,
     parse_rate,
-    tbf_parameters,
     validate_layout,
 )
 from lightning_hetero.testbed.launch import LAUNCH_MODES, build_process_specs, run_processes
@@ -35,6 +33,7 @@ from lightning_hetero.testbed.netns import (
     teardown,
 )
 from lightning_hetero.testbed.report import build_report, write_report
+from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 
 __all__ = ["RunResult", "Testbed", "TestbedInterrupted"]
 

@@ -78,7 +78,7 @@ def _inherited(base_env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def _common_variables(
+def node_environment(
     base_env: Mapping[str, str],
     *,
     nodes: int,
@@ -89,6 +89,7 @@ def _common_variables(
     ledger_dir: str,
     cpu_count: int,
 ) -> dict[str, str]:
+    """The environment of one node's process in ``per-node`` mode (for torchrun); see :func:`rank_environment`."""
     env = _inherited(base_env)
     env.update(
         {
@@ -100,6 +101,7 @@ def _common_variables(
             "GLOO_SOCKET_IFNAME": NODE_INTERFACE,
             LEDGER_DIR_ENV: ledger_dir,
             "PYTHONUNBUFFERED": "1",
+            "NPROC_PER_NODE": str(ranks_per_node),
         }
     )
     # All "nodes" share this machine's cores: one intra-op pool per rank sized to its share avoids oversubscription.
@@ -137,16 +139,10 @@ def rank_environment(
     Returns:
         A new dict: ``base_env`` minus launcher variables, plus the topology variables.
     """
-    env = _common_variables(
-        base_env,
-        nodes=nodes,
-        ranks_per_node=ranks_per_node,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        ledger_dir=ledger_dir,
-        cpu_count=cpu_count,
-    )
+    # The node's environment minus torchrun's NPROC_PER_NODE (here the testbed starts every rank itself).
+    run_wide = dict(master_addr=master_addr, master_port=master_port, ledger_dir=ledger_dir, cpu_count=cpu_count)
+    env = node_environment(base_env, nodes=nodes, ranks_per_node=ranks_per_node, node_rank=node_rank, **run_wide)
+    del env["NPROC_PER_NODE"]
     env.update(
         {
             "WORLD_SIZE": str(nodes * ranks_per_node),
@@ -158,32 +154,6 @@ def rank_environment(
             "TORCHELASTIC_RUN_ID": f"lhtb-{run_id}",
         }
     )
-    return env
-
-
-def node_environment(
-    base_env: Mapping[str, str],
-    *,
-    nodes: int,
-    ranks_per_node: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: int,
-    ledger_dir: str,
-    cpu_count: int,
-) -> dict[str, str]:
-    """The environment of one node's process in ``per-node`` mode (for torchrun); see :func:`rank_environment`."""
-    env = _common_variables(
-        base_env,
-        nodes=nodes,
-        ranks_per_node=ranks_per_node,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        ledger_dir=ledger_dir,
-        cpu_count=cpu_count,
-    )
-    env["NPROC_PER_NODE"] = str(ranks_per_node)
     return env
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_hetero.testbed.checks import TbfParameters
+from lightning_hetero.testbed.shaping import TbfParameters
 
 __all__ = [
     "NAME_PREFIX",
