@@ -9,9 +9,9 @@ gradient norm, runs the drift guard and reports communication statistics. The ad
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
+from lightning_hetero.core import StrategyRuntime, WorldLayout, clip_grad_norm_over_group, process_rank_and_size
+from lightning_hetero.flexdemo import checkpoint as ckpt
 from lightning_hetero.flexdemo.conversion import convert_optimizer
 from lightning_hetero.flexdemo.drift import check_replica_drift
 from lightning_hetero.flexdemo.optim import ReplicatingOptimizer
@@ -41,7 +43,7 @@ __all__ = ["FlexDeMoRuntime"]
 log = logging.getLogger(__name__)
 
 
-class FlexDeMoRuntime:
+class FlexDeMoRuntime(StrategyRuntime):
     """Shared FlexDeMo logic: topology, sharding, optimizer binding, overlap, clipping, drift guard, statistics.
 
     Args:
@@ -57,6 +59,8 @@ class FlexDeMoRuntime:
         block_classes: Class names of the blocks to shard (default: found from the model).
         owner: Class name used in messages.
     """
+
+    directory_checkpoint = True  # each rank holds its own shards and error feedback
 
     def __init__(
         self,
@@ -126,6 +130,10 @@ class FlexDeMoRuntime:
         self.shard_size = resolve_shard_size(self.requested_shard_size, world_size, ranks_per_node, self.owner)
         return self.shard_size
 
+    def resolve_launch(self, world: WorldLayout) -> None:
+        """Check ``shard_size`` against the ranks per node of the launch."""
+        self.resolve_world(world.world_size, world.ranks_per_node)
+
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
         """Build the mesh, shard ``module`` in place and broadcast the first replica's state (collective).
@@ -137,10 +145,7 @@ class FlexDeMoRuntime:
         """
         if self.module is not None:
             raise RuntimeError(f"{self.owner} shards one model; setup was already called.")
-        import torch.distributed as dist
-
-        initialized = dist.is_available() and dist.is_initialized()
-        world_size = dist.get_world_size() if initialized else 1
+        _, world_size = process_rank_and_size()
         if self.shard_size is None or world_size % self.shard_size:
             self.resolve_world(world_size, world_size)
         assert self.shard_size is not None
@@ -195,6 +200,10 @@ class FlexDeMoRuntime:
         return converted
 
     # ------------------------------------------------------------------------------------------------ training
+    def set_sync_blocked(self, blocked: bool) -> None:
+        """Accumulation micro-batches launch no exchange; the final backward does."""
+        self.arm(not blocked)
+
     def arm(self, final_micro_batch: bool) -> None:
         """Whether the coming backward is the last before ``optimizer.step()`` (only then do hooks launch)."""
         if self.hooks is not None:
@@ -264,29 +273,11 @@ class FlexDeMoRuntime:
                 "gradient_clip_val is set)."
             )
         grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().float() for g in grads if g.numel()]).max() if grads else None
-            total = torch.zeros((), device=device) if local is None else local
-            total = total.reshape(1).clone()
-            if self.topology.shard_group is not None:
-                comm.all_reduce(total, "max", group=self.topology.shard_group, label=comm.INTRA)
-            total_norm = total[0]
-        else:
-            power = torch.zeros(1, dtype=torch.float32, device=device)
-            for grad in grads:
-                if grad.numel():
-                    power += torch.linalg.vector_norm(grad.float(), norm_type) ** norm_type
-            if self.topology.shard_group is not None:
-                comm.all_reduce(power, "sum", group=self.topology.shard_group, label=comm.INTRA)
-            total_norm = power[0] ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total_norm):
-            raise RuntimeError(f"{self.owner}: the gradient norm is {float(total_norm)}; nothing was clipped.")
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-        return total_norm
+        group = self.topology.shard_group
+        reduce = group is not None
+        return clip_grad_norm_over_group(
+            grads, max_norm, norm_type, group, comm.INTRA, error_if_nonfinite, reduce=reduce, owner=self.owner
+        )
 
     def teardown(self) -> None:
         """Remove the hooks and forget the optimizer (the sharded module stays; a later fit binds a new optimizer)."""
@@ -294,3 +285,17 @@ class FlexDeMoRuntime:
             self.hooks.remove()
             self.hooks = None
         self.optimizer = None
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def checkpoint_part(self, global_rank: int) -> str:
+        return ckpt.rank_file(".", global_rank).stem
+
+    def checkpoint_part_to_load(self, global_rank: int) -> str:
+        return ckpt.rank_file(".", global_rank).stem
+
+    def write_checkpoint_meta(self, directory: Path) -> None:
+        if self.module is not None:
+            torch.save(ckpt.make_meta(self.module, self.topology), directory / ckpt.META_FILE)
+
+    def check_checkpoint_meta(self, directory: Path) -> None:
+        ckpt.read_meta(directory, self.topology, self.owner)

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
+from lightning_hetero.core.state import broadcast_module_state
 from lightning_hetero.flexdemo.topology import Topology
 
 __all__ = [
@@ -172,24 +173,8 @@ def broadcast_initial_state(module: nn.Module, topology: Topology) -> int:
     """
     if topology.replicate_group is None:
         return 0
-    source = topology.shard_index  # global rank of this shard position in the first replica
-    count = 0
-    seen: set[int] = set()
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
-        if local.numel() == 0:
-            continue
-        if not local.is_contiguous():
-            staged = local.contiguous()
-            comm.broadcast(staged, source, group=topology.replicate_group, label=comm.INTER)
-            local.copy_(staged)
-        else:
-            comm.broadcast(local, source, group=topology.replicate_group, label=comm.INTER)
-        count += 1
-    return count
+    # The source is the global rank of this shard position in the first replica.
+    return broadcast_module_state(module, topology.shard_index, group=topology.replicate_group, label=comm.INTER)
 
 
 def warn_no_blocks(owner: str, module: nn.Module) -> None:

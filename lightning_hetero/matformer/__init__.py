@@ -1,9 +1,10 @@
 """Tiered MatFormer training: nested FFN prefixes of one shared model, one width per rank.
 
 Framework-free building blocks (FFN adapters, slicing and export, schema hashing, tier layouts and per-region gradient
-aggregation, checkpoint slicing) and the strategies built on them: :class:`MatFormerStrategy` for the Trainer and
-:class:`MatFormerFabricStrategy` (also ``lightning_hetero.fabric.MatFormerStrategy``) for Fabric. See
-``docs/matformer.md`` and ``docs/matformer_aggregation.md``.
+aggregation, checkpoint slicing) and the runtime the strategies drive. The Lightning adapters live in
+:mod:`lightning_hetero.strategies.matformer` (``lightning_hetero.MatFormerStrategy`` for the Trainer,
+``lightning_hetero.fabric.MatFormerStrategy`` for Fabric). See ``docs/matformer.md`` and
+``docs/matformer_aggregation.md``.
 """
 
 from lightning_hetero.matformer.adapters import (
@@ -22,7 +23,6 @@ from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradien
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CompressedExchange, demo_bytes_per_step, demo_payload_bytes
 from lightning_hetero.matformer.export import export_tier
-from lightning_hetero.matformer.fabric import MatFormerStrategy as MatFormerFabricStrategy
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.schema import SchemaMismatchError, canonical_schema, compare_schemas, schema_hash
 from lightning_hetero.matformer.slicing import (
@@ -34,7 +34,6 @@ from lightning_hetero.matformer.slicing import (
     slice_model,
     tier_view,
 )
-from lightning_hetero.matformer.strategy import MatFormerStrategy
 from lightning_hetero.matformer.tiers import (
     HelperConfig,
     Region,
@@ -54,9 +53,7 @@ __all__ = [
     "FFNBlock",
     "FFNParameter",
     "HelperConfig",
-    "MatFormerFabricStrategy",
     "MatFormerRuntime",
-    "MatFormerStrategy",
     "Projection",
     "Region",
     "RegionGroups",

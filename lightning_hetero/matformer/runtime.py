@@ -3,16 +3,14 @@
 :class:`MatFormerRuntime` calls no Lightning API. It holds the knobs and their validation, the per-node tier
 expansion, the collective setup (schema check, broadcast of rank 0's initial weights, one process group per region rank
 set, slicing or masking), the per-region gradient sync, tier-consistent norm clipping, checkpoint slicing and the
-return to one full model after training. :mod:`lightning_hetero.matformer.strategy` (Trainer) and
-:mod:`lightning_hetero.matformer.fabric` (Fabric) only decide *when* each piece runs.
+return to one full model after training. :mod:`lightning_hetero.strategies.matformer.trainer` (Trainer) and
+:mod:`lightning_hetero.strategies.matformer.fabric` (Fabric) only decide *when* each piece runs.
 
 Every collective goes through :mod:`lightning_hetero.comm` with the label ``"inter"``.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -23,15 +21,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
-from transformers import PreTrainedModel
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER
+from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.arguments import (
+    TierEntry,
+    as_list,
+    check_entries,
+    check_helper_arguments,
+    check_tier_weights,
+    expand_entries,
+    module_schema,
+)
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
-from lightning_hetero.matformer.compressed import CompressedExchange, check_demo_arguments
-from lightning_hetero.matformer.schema import canonical_schema, compare_schemas
+from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange, check_demo_arguments
+from lightning_hetero.matformer.schema import compare_schemas
 from lightning_hetero.matformer.slicing import slice_model
 from lightning_hetero.matformer.tiers import (
     HelperConfig,
@@ -46,11 +53,8 @@ from lightning_hetero.matformer.types import FFNParameter
 
 __all__ = ["MatFormerRuntime", "TierEntry"]
 
-TierEntry = int | list[int]
-"""One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
 
-
-class MatFormerRuntime:
+class MatFormerRuntime(StrategyRuntime):
     """The loop-independent part of tiered MatFormer training, shared by the Trainer and Fabric strategies.
 
     Args:
@@ -71,6 +75,8 @@ class MatFormerRuntime:
         owner: Class name used in error messages.
     """
 
+    checkpoint_key = CHECKPOINT_KEY  # mode="demo": every rank's error-feedback buffers, in rank 0's checkpoint
+
     def __init__(
         self,
         tiers: Sequence[TierEntry] | None = None,
@@ -90,8 +96,8 @@ class MatFormerRuntime:
             raise ValueError(f"{owner}: pass tiers=[...] or widths=[...], not both.")
         self.unit: Literal["tier", "width"] = "width" if widths is not None else "tier"
         given = tiers if tiers is not None else widths
-        self.entries = None if given is None else _check_entries(owner, self.unit, given)
-        if self.unit == "tier" and self.entries is not None and any(_as_list(self.entries[0])):
+        self.entries = None if given is None else check_entries(owner, self.unit, given)
+        if self.unit == "tier" and self.entries is not None and any(as_list(self.entries[0])):
             raise ValueError(
                 f"{owner}(tiers={list(self.entries)}): global rank 0 must be tier 0, because it holds the full model "
                 "that is checkpointed and exported. Put a tier-0 rank (or node) first, e.g. tiers=[0, 1, 2]."
@@ -100,18 +106,10 @@ class MatFormerRuntime:
             self.mode = check_mode(mode)
         except ValueError as error:
             raise ValueError(f"{owner}(mode={mode!r}): {error}") from None
-        self.tier_weights = None if tier_weights is None else _check_weights(owner, tier_weights, self)
-        if not (isinstance(helper_fraction, (int, float)) and math.isfinite(helper_fraction) and helper_fraction >= 0):
-            raise ValueError(f"{owner}(helper_fraction={helper_fraction!r}): use a number >= 0 (0 turns helpers off).")
-        if helper_fraction > 0 and slice_weights:
-            raise ValueError(
-                f"{owner}(helper_fraction={helper_fraction}, slice_weights=True): a helper trains tail neurons beyond "
-                "its prefix, so it must keep the full weights; set slice_weights=False (or helper_fraction=0)."
-            )
-        if isinstance(helper_redraw_every, bool) or not isinstance(helper_redraw_every, int) or helper_redraw_every < 1:
-            raise ValueError(f"{owner}(helper_redraw_every={helper_redraw_every!r}): use an int >= 1.")
-        if isinstance(helper_seed, bool) or not isinstance(helper_seed, int):
-            raise ValueError(f"{owner}(helper_seed={helper_seed!r}): use an int.")
+        self.tier_weights = (
+            None if tier_weights is None else check_tier_weights(owner, tier_weights, self.unit, self.entries)
+        )
+        check_helper_arguments(owner, helper_fraction, helper_redraw_every, helper_seed, slice_weights)
         check_demo_arguments(owner, self.mode, compression, demo_options, helper_fraction)
         self.compression = compression
         self.demo_options = dict(demo_options or {})
@@ -140,21 +138,12 @@ class MatFormerRuntime:
     # ------------------------------------------------------------------------------------------------ world
     def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
         """Expand the entries to one per global rank (per-node lists: node ``k`` holds ranks ``[kP, (k+1)P)``)."""
-        name = "tiers" if self.unit == "tier" else "widths"
-        if self.entries is None:
-            self.per_rank = [0] * world_size
-        elif len(self.entries) == world_size:
-            self.per_rank = list(self.entries)
-        elif num_nodes >= 1 and len(self.entries) == num_nodes and world_size % num_nodes == 0:
-            per_node = world_size // num_nodes
-            self.per_rank = [entry for entry in self.entries for _ in range(per_node)]
-        else:
-            raise ValueError(
-                f"{self.owner}({name}={list(self.entries)}): {len(self.entries)} entries, but the run has "
-                f"{world_size} ranks ({num_nodes} node(s) x {world_size // max(num_nodes, 1)} devices). Give one entry "
-                f"per global rank ({world_size}) or one per node ({num_nodes})."
-            )
+        self.per_rank = expand_entries(self.owner, self.unit, self.entries, world_size, num_nodes)
         return self.per_rank
+
+    def resolve_launch(self, world: WorldLayout) -> None:
+        """Check the tier list against the launch (one entry per rank or per node)."""
+        self.resolve_world(world.world_size, world.num_nodes)
 
     def tier_of(self, rank: int) -> int | None:
         """``rank``'s tier when it is one tier for every FFN, else (per-layer or non power-of-two widths) None."""
@@ -163,7 +152,7 @@ class MatFormerRuntime:
             return tiers.pop() if len(tiers) == 1 else None
         if self.per_rank is None or self.unit != "tier" or rank >= len(self.per_rank):
             return None
-        values = set(_as_list(self.per_rank[rank]))
+        values = set(as_list(self.per_rank[rank]))
         return values.pop() if len(values) == 1 else None
 
     @property
@@ -195,10 +184,10 @@ class MatFormerRuntime:
                     f"{self.owner} needs the full-width model at setup, but FFNs {sliced[:3]} are already sliced. "
                     "Pass a freshly built (or full-checkpoint) module."
                 )
-            payload["schema"] = _module_schema(module)
+            payload["schema"] = module_schema(module)
         except Exception as error:  # reported to every rank first, so that no rank waits for this one in a collective
             local_error, payload["error"] = error, f"{type(error).__name__}: {error}"
-        gathered = _all_gather_json(payload, self.world_size, device)
+        gathered = all_gather_json(payload, self.world_size, device)
         if local_error is not None:
             raise local_error
         failed = {rank: entry["error"] for rank, entry in enumerate(gathered) if entry["error"]}
@@ -206,9 +195,7 @@ class MatFormerRuntime:
             raise RuntimeError(f"{self.owner} setup failed on rank(s) {sorted(failed)}: {failed}")
         compare_schemas({rank: entry["schema"] for rank, entry in enumerate(gathered)})
         if self.world_size > 1:
-            with torch.no_grad():
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    comm.broadcast(tensor.data, 0, label=INTER)
+            broadcast_module_state(module, 0, label=INTER)
         self.blocks, self.ffn_params = blocks, [p for b in blocks for p in b.parameters]
         self.layout = self._build_layout(blocks)
         self.helpers = self._build_helpers(self.layout)
@@ -304,6 +291,9 @@ class MatFormerRuntime:
             handle.remove()
         self._mask_handles, self._masks = [], {}
 
+    def teardown(self) -> None:
+        self.remove_masks()
+
     # ------------------------------------------------------------------------------------------------ training
     def sync_gradients(self, module: nn.Module, step: int) -> None:
         """Replace this rank's gradients by their per-region aggregate (collective; every rank, same order).
@@ -390,6 +380,12 @@ class MatFormerRuntime:
         else:
             self.exchange.load_state_dict(state)
 
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
+        return self.gather_exchange_state(device)
+
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
+        self.load_exchange_state(entry)
+
     def slice_model_state(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """A full model state dict cut to this rank's widths (unchanged when this rank is not sliced)."""
         return slice_model_state(state, self.ffn_params, self.local_widths) if self.sliced else state
@@ -404,72 +400,3 @@ class MatFormerRuntime:
 
 def _step_zero() -> int:
     return 0
-
-
-def _as_list(entry: Any) -> list[Any]:
-    return [entry] if isinstance(entry, int) else list(entry)
-
-
-def _check_entries(owner: str, unit: str, entries: Any) -> list[TierEntry]:
-    name, low = ("tiers", 0) if unit == "tier" else ("widths", 1)
-    if isinstance(entries, (int, str)) or not isinstance(entries, Sequence) or not entries:
-        raise ValueError(f"{owner}({name}={entries!r}): give a non-empty list, one entry per rank or per node.")
-    out: list[TierEntry] = []
-    for index, entry in enumerate(entries):
-        values = [entry] if not isinstance(entry, Sequence) or isinstance(entry, str) else list(entry)
-        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-            raise ValueError(
-                f"{owner}({name}={list(entries)}): entry {index} ({entry!r}) must be an int >= {low} or a non-empty "
-                f"list of such ints (one per FFN)."
-            )
-        out.append(values[0] if isinstance(entry, int) else values)
-    return out
-
-
-def _check_weights(owner: str, weights: Any, runtime: MatFormerRuntime) -> list[float]:
-    if isinstance(weights, (str, Mapping)) or not isinstance(weights, Sequence) or not weights:
-        raise ValueError(f"{owner}(tier_weights={weights!r}): give a list with one weight per tier (index = tier).")
-    values = []
-    for tier, weight in enumerate(weights):
-        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not (number and math.isfinite(weight) and weight > 0):
-            raise ValueError(f"{owner}(tier_weights={list(weights)}): weight {tier} must be finite and > 0.")
-        values.append(float(weight))
-    if runtime.unit == "tier" and runtime.entries is not None:
-        highest = max(max(_as_list(entry)) for entry in runtime.entries)
-        if highest >= len(values):
-            raise ValueError(
-                f"{owner}(tier_weights={values}): {len(values)} weight(s) for tiers 0..{len(values) - 1}, but tiers "
-                f"uses tier {highest}; give one weight per tier 0..{highest}."
-            )
-    return values
-
-
-def _module_schema(module: nn.Module) -> dict[str, Any]:
-    """The canonical tier-0 schema of the HF model(s) in ``module``, or its parameter shapes if it holds none."""
-    outermost: list[tuple[str, PreTrainedModel]] = []
-    for path, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(path.startswith(p + ".") for p, _ in outermost):
-            outermost.append((path, sub))
-    if len(outermost) == 1:
-        return canonical_schema(outermost[0][1].config)
-    if outermost:
-        return {path or "<root>": canonical_schema(model.config) for path, model in outermost}
-    return {"parameters": {name: list(p.shape) for name, p in module.named_parameters()}}
-
-
-def _all_gather_json(payload: Any, world_size: int, device: torch.device) -> list[Any]:
-    """Every rank's JSON-serializable ``payload``, through the counted collectives (lengths, then padded bytes)."""
-    data = torch.tensor(list(json.dumps(payload, sort_keys=True, default=str).encode()), dtype=torch.uint8)
-    if world_size == 1:
-        return [json.loads(bytes(data.tolist()).decode())]
-    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    comm.all_gather_into_tensor(lengths, length, label=INTER)
-    size = int(lengths.max())
-    padded = torch.zeros(size, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data.to(device)
-    everything = torch.empty(world_size * size, dtype=torch.uint8, device=device)
-    comm.all_gather_into_tensor(everything, padded, label=INTER)
-    rows = everything.view(world_size, size).cpu()
-    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world_size)]

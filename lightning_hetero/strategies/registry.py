@@ -1,19 +1,26 @@
-"""Register lightning-hetero strategy names in the Trainer and Fabric registries.
+"""Register lightning-hetero strategy names in the Trainer and Fabric registries, lazily.
 
 Lightning 2.6 has no entry-point discovery for strategies, and the Trainer's ``StrategyRegistry`` and Fabric's
-``STRATEGY_REGISTRY`` are two separate dicts. Importing :mod:`lightning_hetero` therefore registers every name listed
-in :data:`BUILTIN_STRATEGIES` in both, idempotently (re-importing, or importing under ``__main__`` and again under the
-package name, must not raise "already present in the registry"). The Trainer lower-cases string flags, so names
-must be lowercase.
+``STRATEGY_REGISTRY`` are two separate dicts. ``import lightning_hetero`` must stay cheap (it imports neither Lightning
+nor transformers), so it calls :func:`register_when_lightning_loads`: the names of :data:`BUILTIN_STRATEGIES` are
+registered at once if Lightning's registry modules are already imported, otherwise right after they are (a
+post-import hook on ``lightning.pytorch.strategies`` and ``lightning.fabric.strategies``). Each entry is a
+:class:`LazyStrategyClass` that imports the strategy's module only when the name is used. Registration is idempotent
+(re-importing, or importing under ``__main__`` and again under the package name, must not raise "already present in
+the registry"). The Trainer lower-cases string flags, so names must be lowercase.
 
 A strategy joins by appending a :class:`StrategySpec` to :data:`BUILTIN_STRATEGIES` with the import paths of its
-Trainer and Fabric classes; the classes are imported lazily at registration time.
+Trainer and Fabric classes. Users register their own classes with :func:`register_strategy`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 
@@ -40,40 +47,40 @@ BUILTIN_STRATEGIES.extend(
     [
         StrategySpec(
             "matformer",
-            "lightning_hetero.matformer.strategy:MatFormerStrategy",
-            "lightning_hetero.matformer.fabric:MatFormerStrategy",
+            "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
+            "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
             description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
         ),
         StrategySpec(
             "matformer_spawn",
-            "lightning_hetero.matformer.strategy:MatFormerStrategy",
-            "lightning_hetero.matformer.fabric:MatFormerStrategy",
+            "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
+            "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
             description="Tiered MatFormer DDP with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
         StrategySpec(
             "flexdemo",
-            "lightning_hetero.flexdemo.strategy:FlexDeMoStrategy",
-            "lightning_hetero.flexdemo.fabric:FlexDeMoStrategy",
+            "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
+            "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
             description="FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes",
         ),
         StrategySpec(
             "flexdemo_spawn",
-            "lightning_hetero.flexdemo.strategy:FlexDeMoStrategy",
-            "lightning_hetero.flexdemo.fabric:FlexDeMoStrategy",
+            "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
+            "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
             description="FlexDeMo with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
         StrategySpec(
             "subspace_pipeline",
-            "lightning_hetero.subspace.strategy:SubspacePipelineStrategy",
-            "lightning_hetero.subspace.fabric:SubspacePipelineStrategy",
+            "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
+            "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
             description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
         ),
         StrategySpec(
             "subspace_pipeline_spawn",
-            "lightning_hetero.subspace.strategy:SubspacePipelineStrategy",
-            "lightning_hetero.subspace.fabric:SubspacePipelineStrategy",
+            "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
+            "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
             description="Subspace pipeline with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
@@ -81,26 +88,57 @@ BUILTIN_STRATEGIES.extend(
 )
 
 
-def _import_class(path: str) -> type:
+TRAINER_REGISTRY_MODULE = "lightning.pytorch.strategies"
+FABRIC_REGISTRY_MODULE = "lightning.fabric.strategies"
+
+
+def import_class(path: str) -> type:
+    """The class at ``"package.module:Class"``."""
     module_name, _, class_name = path.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def _register_one(registry: dict, name: str, cls: type, description: str, init_params: dict[str, Any]) -> None:
+class LazyStrategyClass:
+    """Stands in for a strategy class in Lightning's registries: imports it when the registered name is used.
+
+    Lightning's registries only call the entry (``entry(**init_params)``), so the strategy's module, and with it
+    transformers, is imported on first use rather than when the names are registered.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def resolve(self) -> type:
+        """The strategy class."""
+        return import_class(self.path)
+
+    def __call__(self, **init_params: Any) -> Any:
+        return self.resolve()(**init_params)
+
+    def __repr__(self) -> str:
+        return f"LazyStrategyClass({self.path!r})"
+
+
+def _identity(entry: Any) -> str:
+    if isinstance(entry, LazyStrategyClass):
+        return entry.path
+    return f"{entry.__module__}:{entry.__qualname__}"
+
+
+def _register_one(registry: dict, name: str, cls: Any, description: str, init_params: dict[str, Any]) -> None:
     existing = dict.get(registry, name)  # the registry's own get() instantiates the strategy
     if existing is not None:
-        if existing["strategy"] is cls and existing["init_params"] == init_params:
+        old, new = _identity(existing["strategy"]), _identity(cls)
+        if old == new and existing["init_params"] == init_params:
             return  # idempotent: the same class under the same name
-        if existing["strategy"].__qualname__ == cls.__qualname__ and existing["strategy"].__module__ in (
-            cls.__module__,
+        same_class = old.partition(":")[2] == new.partition(":")[2] and old.partition(":")[0] in (
+            new.partition(":")[0],
             "__main__",
-        ):
-            pass  # the same class imported twice (e.g. once as __main__): replace silently
-        else:
+        )
+        if not same_class:
             raise ValueError(
-                f"Strategy name {name!r} is already registered for {existing['strategy'].__module__}."
-                f"{existing['strategy'].__qualname__}; refusing to overwrite it with "
-                f"{cls.__module__}.{cls.__qualname__}. Pick another name."
+                f"Strategy name {name!r} is already registered for {old.replace(':', '.')}; refusing to overwrite it "
+                f"with {new.replace(':', '.')}. Pick another name."
             )
     registry.register(name, cls, description=description, override=True, **init_params)
 
@@ -112,7 +150,7 @@ def register_strategy(
     description: str = "",
     **init_params: Any,
 ) -> None:
-    """Register ``name`` for a Trainer and/or Fabric strategy class, idempotently.
+    """Register ``name`` for a Trainer and/or Fabric strategy class, idempotently (imports Lightning).
 
     Args:
         name: Lowercase strategy name.
@@ -124,27 +162,99 @@ def register_strategy(
     Raises:
         ValueError: ``name`` is not lowercase, or is already taken by a different class.
     """
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry as TRAINER_REGISTRY
-
     if not name or name != name.lower():
         raise ValueError(f"Strategy name {name!r} must be non-empty and lowercase (the Trainer lower-cases flags).")
     if trainer_class is None and fabric_class is None:
         raise ValueError(f"register_strategy({name!r}) needs a trainer_class, a fabric_class or both.")
     if trainer_class is not None:
-        _register_one(TRAINER_REGISTRY, name, trainer_class, description, init_params)
+        registry = importlib.import_module(TRAINER_REGISTRY_MODULE).StrategyRegistry
+        _register_one(registry, name, trainer_class, description, init_params)
     if fabric_class is not None:
-        _register_one(FABRIC_REGISTRY, name, fabric_class, description, init_params)
+        registry = importlib.import_module(FABRIC_REGISTRY_MODULE).STRATEGY_REGISTRY
+        _register_one(registry, name, fabric_class, description, init_params)
+
+
+def _register_builtins_in(registry: dict, fabric: bool) -> None:
+    for spec in BUILTIN_STRATEGIES:
+        path = spec.fabric_class if fabric else spec.trainer_class
+        if path:
+            _register_one(registry, spec.name, LazyStrategyClass(path), spec.description, dict(spec.init_params))
+
+
+def _register_trainer_builtins(module: ModuleType) -> None:
+    _register_builtins_in(module.StrategyRegistry, fabric=False)
+
+
+def _register_fabric_builtins(module: ModuleType) -> None:
+    _register_builtins_in(module.STRATEGY_REGISTRY, fabric=True)
 
 
 def register_builtin_strategies() -> list[str]:
-    """Register every :data:`BUILTIN_STRATEGIES` entry in both registries; returns the names registered."""
-    for spec in BUILTIN_STRATEGIES:
-        register_strategy(
-            spec.name,
-            trainer_class=_import_class(spec.trainer_class) if spec.trainer_class else None,
-            fabric_class=_import_class(spec.fabric_class) if spec.fabric_class else None,
-            description=spec.description,
-            **spec.init_params,
-        )
+    """Register every :data:`BUILTIN_STRATEGIES` entry in both registries now (imports Lightning, not our modules)."""
+    _register_trainer_builtins(importlib.import_module(TRAINER_REGISTRY_MODULE))
+    _register_fabric_builtins(importlib.import_module(FABRIC_REGISTRY_MODULE))
     return [spec.name for spec in BUILTIN_STRATEGIES]
+
+
+def register_when_lightning_loads() -> None:
+    """Register the built-in names in each registry now if Lightning loaded it, else as soon as it loads."""
+    pending: dict[str, Callable[[ModuleType], None]] = {}
+    for module_name, register in (
+        (TRAINER_REGISTRY_MODULE, _register_trainer_builtins),
+        (FABRIC_REGISTRY_MODULE, _register_fabric_builtins),
+    ):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            register(module)
+        else:
+            pending[module_name] = register
+    if pending and not any(isinstance(finder, _PostImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(pending))
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs a callback right after each target module is executed (then removes itself when all have run)."""
+
+    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self._callbacks = dict(callbacks)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        callback = self._callbacks.get(fullname)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:  # the spec the import system would find without us
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
+            return None
+        spec.loader = _CallbackLoader(spec.loader, lambda module: self._fire(fullname, module))
+        return spec
+
+    def _fire(self, fullname: str, module: ModuleType) -> None:
+        callback = self._callbacks.pop(fullname, None)
+        if not self._callbacks and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        if callback is not None:
+            callback(module)
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """Delegates to the real loader and calls ``callback(module)`` once the module has executed."""
+
+    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, get_source, ...
+        return getattr(self._loader, name)

@@ -6,7 +6,8 @@ training or evaluation step over the schedule (:class:`~lightning_hetero.subspac
 the schedule it does what a pipeline needs on every step: the loss broadcast from the last stage, the replicas'
 gradient average, gradient projection (``mode="projected"``), the pipeline-wide clipping norm and the periodic
 subspace update (statistic summed over all ranks, basis proposed on rank 0, broadcast, every stage rebased).
-:mod:`lightning_hetero.subspace.strategy` (Trainer) and :mod:`lightning_hetero.subspace.fabric` (Fabric) only decide
+:mod:`lightning_hetero.strategies.subspace.trainer` (Trainer) and
+:mod:`lightning_hetero.strategies.subspace.fabric` (Fabric) only decide
 *when* each piece runs. Nothing here imports Lightning.
 
 Ledger labels: boundary messages, the loss broadcast, the clipping norm and the subspace update use
@@ -17,7 +18,6 @@ export uses ``"export"``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +26,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
-from lightning_hetero.subspace.checkpoint import EXPORT_LABEL, gather_stage_states
+from lightning_hetero.core import StrategyRuntime, WorldLayout, broadcast_module_state, clip_grad_norm_over_group
+from lightning_hetero.subspace.checkpoint import EXPORT_LABEL
+from lightning_hetero.subspace.container import PipelineStageModel, find_container, hollow_into, locate_decoder
 from lightning_hetero.subspace.pipeline import (
     IGNORE_INDEX,
     PipelineExecutor,
@@ -36,6 +38,7 @@ from lightning_hetero.subspace.pipeline import (
     split_batch,
     valid_tokens,
 )
+from lightning_hetero.subspace.runtime_state import PipelineStateMixin
 from lightning_hetero.subspace.schedules import check_schedule
 
 __all__ = ["EXPORT_LABEL", "IGNORE_INDEX", "PipelineStageModel", "SubspacePipelineRuntime", "split_batch"]
@@ -46,36 +49,7 @@ DP_LABEL = comm.INTRA
 """Ledger label of the replicas' gradient average (one stage's replicas share a node in the rank layout)."""
 
 
-class PipelineStageModel(nn.Module):
-    """Takes the place of the user's HF model inside their module: holds only this rank's stage.
-
-    Its parameters are the stage's, so ``configure_optimizers`` (``self.parameters()``) builds an optimizer over this
-    rank's share of the model. Calling it directly is an error: the strategy drives the stage through the schedule.
-
-    Args:
-        stage: This rank's stage module.
-        config: The HF config of the original model (kept for code that reads ``model.config``).
-        stage_index: Index of the stage.
-        num_stages: Number of stages.
-    """
-
-    def __init__(self, stage: nn.Module, config: Any, stage_index: int, num_stages: int) -> None:
-        super().__init__()
-        self.stage = stage
-        self.config = config
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"This model is stage {self.stage_index} of a {self.num_stages}-stage SubspacePipelineStrategy pipeline; "
-            "it cannot run on its own. The strategy runs the schedule for you (Trainer), or call "
-            "strategy.train_step(batch) / strategy.eval_step(batch) (Fabric). Export the whole model with "
-            "strategy.export_dense(path)."
-        )
-
-
-class SubspacePipelineRuntime:
+class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
     """The loop-independent part of the subspace pipeline, shared by the Trainer and Fabric strategies.
 
     Args:
@@ -93,6 +67,9 @@ class SubspacePipelineRuntime:
         seed: Seed of U and T_fixed.
         owner: Class name used in error messages.
     """
+
+    checkpoint_key = "subspace_pipeline"
+    directory_checkpoint = True  # one part per stage (written by replica 0) plus meta.json
 
     def __init__(
         self,
@@ -145,6 +122,8 @@ class SubspacePipelineRuntime:
         self.layer_ranges: list[tuple[int, int]] | None = None
         self.subspace_updates = 0
         """Number of subspace updates applied so far (checkpointed with the stage)."""
+        self.steps = 0
+        """Optimizer steps done (drives ``update_every``; checkpointed with the stage)."""
 
     # ------------------------------------------------------------------------------------------------ topology
     @property
@@ -160,6 +139,9 @@ class SubspacePipelineRuntime:
     def resolve_world(self, world_size: int) -> None:
         """Check the world size against ``num_stages * data_parallel_size`` (raises before anything starts)."""
         self.layout.check_world(world_size, self.owner)
+
+    def resolve_launch(self, world: WorldLayout) -> None:
+        self.resolve_world(world.world_size)
 
     @property
     def stage(self) -> nn.Module:
@@ -206,7 +188,7 @@ class SubspacePipelineRuntime:
         """
         if self.groups is None:
             self.groups = PipelineGroups(self.layout, global_rank)
-        existing = _find_container(module)
+        existing = find_container(module)
         if existing is not None:
             from lightning_hetero.subspace.stages import split_layers
 
@@ -237,7 +219,7 @@ class SubspacePipelineRuntime:
         self._sync_replicas()
         self.executor = PipelineExecutor(stage, self.groups, self.schedule)
         if parent is None:
-            _hollow_into(module, self.container)
+            hollow_into(module, self.container)
         else:
             setattr(parent, attribute, self.container)
         return module
@@ -248,9 +230,7 @@ class SubspacePipelineRuntime:
         if self.data_parallel_size == 1 or groups.dp_group is None:
             return
         source = self.layout.global_rank(groups.stage, 0)
-        with torch.no_grad():
-            for tensor in list(self.stage.parameters()) + list(self.stage.buffers()):
-                comm.broadcast(tensor.data, source, label=DP_LABEL, group=groups.dp_group)
+        broadcast_module_state(self.stage, source, group=groups.dp_group, label=DP_LABEL)
 
     # ------------------------------------------------------------------------------------------------ steps
     def _loss_fn(
@@ -357,25 +337,19 @@ class SubspacePipelineRuntime:
         local ``p``-th powers (the maximum for ``inf``); replicas hold equal (averaged) gradients, so the pipeline
         group suffices. Returns the total norm.
         """
-        params = [p for p in parameters if p.grad is not None]
-        norm_type = float(norm_type)
-        grads = [p.grad.detach() for p in params]
-        device = grads[0].device if grads else self.stage_device
-        if norm_type == math.inf:
-            local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=device))
-            total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1).clone()
-            self._pipeline_all_reduce(total, "max")
-        else:
-            local = sum((torch.linalg.vector_norm(g.float(), norm_type) ** norm_type for g in grads), torch.zeros(()))
-            total = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1).clone()
-            self._pipeline_all_reduce(total, "sum")
-            total = total ** (1.0 / norm_type)
-        norm = total[0]
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {norm_type} of the pipeline's gradients is non-finite.")
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        groups = self._groups
+        grads = [p.grad.detach() for p in parameters if p.grad is not None]
+        return clip_grad_norm_over_group(
+            grads,
+            max_norm,
+            norm_type,
+            groups.pipeline_group,
+            comm.PIPELINE,
+            error_if_nonfinite,
+            reduce=groups.pipeline_group is not None and self.num_stages > 1,
+            device=self.stage_device,
+            owner=self.owner,
+        )
 
     @property
     def stage_device(self) -> torch.device:
@@ -384,11 +358,6 @@ class SubspacePipelineRuntime:
             return tensor.device
         return torch.device("cpu")
 
-    def _pipeline_all_reduce(self, tensor: Tensor, op: str) -> None:
-        groups = self._groups
-        if groups.pipeline_group is not None and self.num_stages > 1:
-            comm.all_reduce(tensor, op, label=comm.PIPELINE, group=groups.pipeline_group)
-
     # ------------------------------------------------------------------------------------------------ subspace
     def after_optimizer_step(self, optimizer: Optimizer | None, steps_done: int) -> bool:
         """Run the subspace update when ``steps_done`` is a multiple of ``update_every``; True if it ran.
@@ -396,6 +365,7 @@ class SubspacePipelineRuntime:
         Collective over the world: the statistic is summed over every rank, rank 0 proposes the new basis and
         broadcasts it, and every stage re-expresses its weights and optimizer moments in it.
         """
+        self.steps = steps_done
         every = self.config.update_every
         if not (self.config.compress and every) or steps_done <= 0 or steps_done % every:
             return False
@@ -413,84 +383,9 @@ class SubspacePipelineRuntime:
         self.subspace_updates += 1
         return True
 
-    # ------------------------------------------------------------------------------------------------ state
-    def meta(self) -> dict[str, Any]:
-        """What a checkpoint records about the pipeline (checked on resume)."""
-        hf_config = self.container.config if self.container is not None else None
-        hidden = getattr(hf_config, "hidden_size", None)
-        rank = self.config.resolve_rank(hidden) if self.config.compress and hidden else None
-        return {
-            "num_stages": self.num_stages,
-            "data_parallel_size": self.data_parallel_size,
-            "layer_ranges": [list(r) for r in self.layer_ranges] if self.layer_ranges else None,
-            "rank": rank,
-            "compress": self.config.compress,
-            "mode": self.config.mode,
-            "seed": self.config.seed,
-            "coord_dtype": self.config.coord_dtype,
-            "update_every": self.config.update_every,
-            "schedule": self.schedule,
-            "n_microbatches": self.n_microbatches,
-            "model_type": getattr(hf_config, "model_type", None),
-        }
-
-    def gather_stage_states(self) -> list[dict[str, Tensor]] | None:
-        """Every stage's ``state_dict`` (replica 0's), in stage order, on global rank 0; None elsewhere (collective)."""
-        state = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
-        return gather_stage_states(state, self.layout, self._groups.rank, self.stage_device)
-
-    def export_dense(self, path: str, tokenizer: Any | None = None) -> str | None:
-        """Write the whole pipeline as one plain HF checkpoint at ``path`` (collective; rank 0 writes).
-
-        Returns ``path`` on global rank 0, None elsewhere.
-        """
-        states = self.gather_stage_states()
-        if states is None:
-            return None
-        from lightning_hetero.subspace.export import export_dense
-
-        assert self.container is not None
-        export_dense(states, self.container.config, path, tokenizer=tokenizer, subspace_config=self.config)
-        return path
-
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _check_int(owner: str, name: str, value: Any, minimum: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
         raise ValueError(f"{owner}({name}={value!r}): use an int{bound}.")
-
-
-def _hollow_into(module: nn.Module, container: PipelineStageModel) -> None:
-    """Make ``container`` the only content of ``module`` (the bare HF model): its own modules, parameters and buffers
-    go, its ``forward`` becomes the container's (which explains how to run the pipeline)."""
-    for registry in (module._modules, module._parameters, module._buffers):
-        registry.clear()
-    module.pipeline = container
-    module.forward = container.forward  # type: ignore[method-assign]
-
-
-def _find_container(module: nn.Module) -> PipelineStageModel | None:
-    if isinstance(module, PipelineStageModel):
-        return module
-    for sub in module.modules():
-        if isinstance(sub, PipelineStageModel):
-            return sub
-    return None
-
-
-def locate_decoder(module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
-    """``(parent, attribute, hf_model)``: the supported HF causal LM inside ``module`` and where it hangs.
-
-    ``parent`` is None when ``module`` is the HF model itself.
-
-    Raises:
-        ValueError: No supported model inside (the subspace core's message names the supported families).
-    """
-    from lightning_hetero.subspace.model import find_decoder
-
-    parts = find_decoder(module)
-    if not parts.path:
-        return None, "", parts.causal_lm
-    parent_name, _, attribute = parts.path.rpartition(".")
-    return module.get_submodule(parent_name), attribute, parts.causal_lm

@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero import comm
 from lightning_hetero.models import CausalLMModule
-from lightning_hetero.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
-from lightning_hetero.subspace.strategy import SubspacePipelineStrategy
+from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
+from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
 from tests.token_data import VOCAB, progressions
 
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}

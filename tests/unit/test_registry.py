@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
@@ -66,8 +68,51 @@ def test_builtin_specs_register_and_reimport_is_idempotent(monkeypatch, probe_na
     monkeypatch.setattr(registry_module, "BUILTIN_STRATEGIES", [spec])
     assert register_builtin_strategies() == [probe_name]
     assert register_builtin_strategies() == [probe_name]
-    assert StrategyRegistry[probe_name]["strategy"] is _TrainerProbe
-    assert FABRIC_REGISTRY[probe_name]["strategy"] is _FabricProbe
+    # Registered lazily: the class is imported when the name is used.
+    assert StrategyRegistry[probe_name]["strategy"].resolve() is _TrainerProbe
+    assert FABRIC_REGISTRY[probe_name]["strategy"].resolve() is _FabricProbe
+    assert isinstance(StrategyRegistry.get(probe_name), _TrainerProbe)
+    assert isinstance(FABRIC_REGISTRY.get(probe_name), _FabricProbe)
+    register_strategy(probe_name, _TrainerProbe, _FabricProbe, device="cpu")  # the same classes, eagerly: accepted
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_package_import_loads_neither_lightning_nor_transformers():
+    out = _run(
+        "import sys, lightning_hetero, lightning_hetero.fabric\n"
+        "print(sorted(m for m in ('lightning', 'transformers', 'torch') if m in sys.modules))"
+    )
+    assert out == "[]"
+
+
+@pytest.mark.parametrize("lightning_first", [False, True])
+def test_names_resolve_whichever_is_imported_first(lightning_first):
+    """Registered by the post-import hook (lightning_hetero first) or at once (Lightning first); the name resolves
+    to our class in both registries, and our strategy modules load only then."""
+    first, second = (
+        ("import lightning", "import lightning_hetero")
+        if lightning_first
+        else (
+            "import lightning_hetero",
+            "import lightning",
+        )
+    )
+    out = _run(
+        f"{first}\n{second}\nimport sys\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "loaded = 'lightning_hetero.strategies.flexdemo.trainer' in sys.modules\n"
+        "trainer, fabric = StrategyRegistry.get('flexdemo'), STRATEGY_REGISTRY.get('matformer_spawn')\n"
+        "print(loaded, type(trainer).__module__, type(fabric).__module__, fabric._start_method)"
+    )
+    assert out == (
+        "False lightning_hetero.strategies.flexdemo.trainer lightning_hetero.strategies.matformer.fabric spawn"
+    )
 
 
 def test_package_import_is_idempotent():

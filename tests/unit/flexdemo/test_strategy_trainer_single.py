@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
-from lightning_hetero.flexdemo.strategy import FlexDeMoStrategy
+from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.models import CausalLMModule
 from tests.token_data import VOCAB, progressions
 

@@ -20,11 +20,11 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_hetero
+from lightning_hetero import MatFormerStrategy
 from lightning_hetero.fabric import MatFormerStrategy as FabricMatFormerStrategy
 from lightning_hetero.matformer import (
     HelperConfig,
     MatFormerRuntime,
-    MatFormerStrategy,
     UnsupportedModelError,
     find_ffns,
     grow_to_full,
@@ -136,8 +136,8 @@ def test_fabric_checks_the_world_when_fabric_is_built():
 
 # ---------------------------------------------------------------------------------------------------- registration
 def test_registered_in_both_registries():
-    assert StrategyRegistry["matformer"]["strategy"] is MatFormerStrategy
-    assert FABRIC_REGISTRY["matformer"]["strategy"] is FabricMatFormerStrategy
+    assert StrategyRegistry["matformer"]["strategy"].resolve() is MatFormerStrategy
+    assert FABRIC_REGISTRY["matformer"]["strategy"].resolve() is FabricMatFormerStrategy
     assert StrategyRegistry["matformer_spawn"]["init_params"] == {"start_method": "spawn"}
     assert FABRIC_REGISTRY["matformer_spawn"]["init_params"] == {"start_method": "spawn"}
     assert lightning_hetero.MatFormerStrategy is MatFormerStrategy

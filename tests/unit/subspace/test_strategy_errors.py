@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_hetero.subspace import checkpoint as ckpt
-from lightning_hetero.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
+from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
 from lightning_hetero.subspace.pipeline import split_batch
-from lightning_hetero.subspace.strategy import SubspacePipelineStrategy
+from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
 
 
 @pytest.mark.parametrize("cls", [SubspacePipelineStrategy, FabricSubspacePipelineStrategy])

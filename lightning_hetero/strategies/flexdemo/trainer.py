@@ -21,44 +21,26 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.flexdemo.checkpoint import (
-    META_FILE,
-    full_state_dict,
-    load_local_module_state,
-    local_module_state,
-    make_meta,
-    rank_file,
-    read_meta,
-)
+from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
-from lightning_hetero.strategies.common import destroy_process_group_at_exit
+from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
 
 
-class FlexDeMoStrategy(DDPStrategy):
+class FlexDeMoStrategy(TrainerStrategyBase):
     """FlexDeMo for the Trainer: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     Works on any LightningModule (HF model built in ``__init__`` or ``configure_model``) with one optimizer:
@@ -82,14 +64,8 @@ class FlexDeMoStrategy(DDPStrategy):
         block_classes: Class names of the blocks to shard individually; default: found from the model
             (``_no_split_modules`` of HF models, else a ``ModuleList`` of identical layers).
         log_comm_stats: Log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``, ``comm/wait_seconds``, ... per step.
-        accelerator: Set by the Trainer.
-        parallel_devices: Set by the Trainer.
-        cluster_environment: Set by the Trainer.
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer (``bf16-mixed`` gathers parameters in bf16, reduces in fp32).
-        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
-        timeout: Process group timeout.
-        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
     strategy_name = "flexdemo"
@@ -105,16 +81,9 @@ class FlexDeMoStrategy(DDPStrategy):
         activation_checkpointing: bool = False,
         block_classes: list[str] | None = None,
         log_comm_stats: bool = True,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = FlexDeMoRuntime(
+        runtime = FlexDeMoRuntime(
             replicator,
             compression,
             replicator_options,
@@ -124,19 +93,8 @@ class FlexDeMoStrategy(DDPStrategy):
             activation_checkpointing,
             block_classes,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(runtime, **kwargs)
         self.log_comm_stats = bool(log_comm_stats)
-        self._sync_blocked = False
-        self._clipping_patched = False
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -157,15 +115,9 @@ class FlexDeMoStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_processes)
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -214,30 +166,14 @@ class FlexDeMoStrategy(DDPStrategy):
         for config in self.lr_scheduler_configs:
             repoint_scheduler(config.scheduler, original, converted)
         self.optimizers = [converted]
-        if not self._clipping_patched:
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            self._clipping_patched = True
+        self._use_runtime_clipping()
 
     def _clipping_configured(self, trainer: Any) -> bool:
         module = self.lightning_module
         clip = getattr(trainer, "gradient_clip_val", None)
         return bool(clip) or (module is not None and is_overridden("configure_gradient_clipping", module))
 
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
-
     # ------------------------------------------------------------------------------------------------ training
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        previous, self._sync_blocked = self._sync_blocked, True
-        self.runtime.arm(False)
-        try:
-            yield None
-        finally:
-            self._sync_blocked = previous
-            self.runtime.arm(not previous)
-
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         pass  # no DDP reducer to prepare
@@ -286,20 +222,7 @@ class FlexDeMoStrategy(DDPStrategy):
                 module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
         return output
 
-    @override
-    def teardown(self) -> None:
-        self.runtime.teardown()
-        if self._clipping_patched:
-            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
-            self._clipping_patched = False
-        super().teardown()
-
     # ------------------------------------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the checkpoint holds local shards: load into the sharded model
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -309,33 +232,6 @@ class FlexDeMoStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         load_local_module_state(self.lightning_module, checkpoint["state_dict"], strict, self.runtime.owner)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{self.runtime.owner}.save_checkpoint does not take storage_options.")
-        path = Path(self.broadcast(str(filepath)))
-        if path.is_file() and self.is_global_zero:
-            path.unlink()  # a single-file checkpoint of another strategy under the same name
-        self.barrier("flexdemo_checkpoint_prepare")
-        path.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_io.save_checkpoint(checkpoint, rank_file(path, self.global_rank))
-        if self.is_global_zero:
-            assert self.lightning_module is not None
-            torch.save(make_meta(self.lightning_module, self.runtime.topology), path / META_FILE)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        read_meta(path, self.runtime.topology, self.runtime.owner)
-        return self.checkpoint_io.load_checkpoint(rank_file(path, self.global_rank), weights_only=False)
-
-    @override
-    def remove_checkpoint(self, filepath: str | Path) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)  # a directory: removed recursively
 
 
 class _FullWeightsLauncher(_MultiProcessingLauncher):

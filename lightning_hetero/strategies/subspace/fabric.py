@@ -21,38 +21,28 @@ forward-only pass; ``fabric.save``/``fabric.load`` write and read a folder with 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
-from lightning_hetero.subspace import checkpoint as ckpt
+from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
 __all__ = ["SubspacePipelineStrategy"]
 
-_STATE_KEY = "subspace_pipeline"
 
-
-class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
+class SubspacePipelineStrategy(FabricStrategyBase):
     """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
 
     Arguments as in the Trainer's :class:`lightning_hetero.SubspacePipelineStrategy` (``num_stages``, ``rank`` or
     ``compression``, ``schedule``, ``n_microbatches``, ``data_parallel_size``, ``compress``, ``mode``,
-    ``coord_dtype``, ``update_every``, ``update_lr``, ``seed``), plus the ones Fabric sets (``accelerator``,
-    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``), ``process_group_backend``,
-    ``timeout`` and ``start_method`` (``"popen"`` for scripts, ``"spawn"`` for ``fabric.launch(fn)`` in notebooks
-    and tests).
+    ``coord_dtype``, ``update_every``, ``update_lr``, ``seed``), plus Fabric's (``**kwargs``: ``accelerator``,
+    ``precision``, ``process_group_backend``, ``timeout``, ``start_method``, ...; see
+    :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
     strategy_name = "subspace_pipeline"
@@ -71,16 +61,9 @@ class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
         update_every: int = 0,
         update_lr: float = 0.1,
         seed: int = 0,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = SubspacePipelineRuntime(
+        runtime = SubspacePipelineRuntime(
             num_stages,
             rank,
             compression,
@@ -94,19 +77,12 @@ class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
             update_lr,
             seed,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self._module: nn.Module | None = None
-        self.steps = 0
+        super().__init__(runtime, **kwargs)
+
+    @property
+    def steps(self) -> int:
         """Optimizer steps so far (drives ``update_every``; saved by ``fabric.save``)."""
+        return self.runtime.steps
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -141,34 +117,16 @@ class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
         self.barrier()
         return result
 
-    def _require_module(self) -> nn.Module:
-        if self._module is None:
-            raise RuntimeError("SubspacePipelineStrategy needs fabric.setup_module(model) first.")
-        return self._module
-
     # ------------------------------------------------------------------------------------------------ setup
     @override
-    def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
-    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self._module is not None:
-            raise RuntimeError("SubspacePipelineStrategy trains one model per Fabric; setup_module was already called.")
         if isinstance(self.precision, MixedPrecision) and getattr(self.precision, "scaler", None) is not None:
             raise ValueError(
                 "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
                 "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
             )
-        module = self.runtime.setup(module, self.root_device, self.global_rank)
-        self._module = module
-        return module
+        self._claim_module(module)
+        return self.runtime.setup(module, self.root_device, self.global_rank)
 
     @override
     def setup_module_and_optimizers(
@@ -205,60 +163,6 @@ class SubspacePipelineStrategy(RuntimeFabricDDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
-        self.steps += 1
-        self.runtime.after_optimizer_step(optimizer if isinstance(optimizer, Optimizer) else None, self.steps)
+        step_optimizer = optimizer if isinstance(optimizer, Optimizer) else None
+        self.runtime.after_optimizer_step(step_optimizer, self.runtime.steps + 1)
         return output
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError("SubspacePipelineStrategy.save_checkpoint does not take storage_options.")
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        converted[_STATE_KEY] = {"steps": self.steps, "subspace_updates": self.runtime.subspace_updates}
-        if self.runtime.dp_rank == 0:
-            ckpt.write_stage_file(path, self.runtime.stage_index, converted)
-        if self.is_global_zero:
-            ckpt.write_meta(path, self.runtime.meta())
-        self.barrier()
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        ckpt.check_meta(ckpt.read_meta(path), self.runtime.meta(), path)
-        checkpoint = ckpt.load_stage_file(path, self.runtime.stage_index, map_location=self.root_device)
-        extra = checkpoint.pop(_STATE_KEY, {})
-        self.steps = int(extra.get("steps", 0))
-        self.runtime.subspace_updates = int(extra.get("subspace_updates", 0))
-        if not state:
-            return checkpoint
-        if isinstance(state, nn.Module):
-            self.load_module_state_dict(state, checkpoint, strict=strict)
-            return {}
-        if isinstance(state, Optimizer):
-            state.load_state_dict(checkpoint)
-            return {}
-        missing = [key for key in state if key not in checkpoint]
-        if strict and missing:
-            raise KeyError(f"The checkpoint at {path} has no entries {missing} (requested in `state`).")
-        for name, obj in list(state.items()):
-            if name not in checkpoint:
-                continue
-            if isinstance(obj, nn.Module):
-                self.load_module_state_dict(obj, checkpoint.pop(name), strict=strict)
-            elif isinstance(obj, Optimizer) or hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
-        return checkpoint

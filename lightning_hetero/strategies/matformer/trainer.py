@@ -18,27 +18,19 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
-from lightning_hetero.strategies.common import destroy_process_group_at_exit
+from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
 
@@ -46,7 +38,7 @@ TIER_LOSS_LABEL = "metrics"
 """Ledger label of the per-tier loss all-reduce (``log_tier_losses=True``), kept apart from the gradient bytes."""
 
 
-class MatFormerStrategy(DDPStrategy):
+class MatFormerStrategy(TrainerStrategyBase):
     """Tiered MatFormer DDP for the Trainer: each rank trains its own FFN prefix of one shared model.
 
     Works on any LightningModule whose FFNs the adapter registry finds (an HF model anywhere in the module tree, built
@@ -72,14 +64,8 @@ class MatFormerStrategy(DDPStrategy):
         demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
         log_tier_losses: Also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks), at the cost of
             one small all-reduce per training step (ledger label ``"metrics"``).
-        accelerator: Set by the Trainer.
-        parallel_devices: Set by the Trainer.
-        cluster_environment: Set by the Trainer.
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer.
-        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
-        timeout: Process group timeout.
-        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
     strategy_name = "matformer"
@@ -97,16 +83,9 @@ class MatFormerStrategy(DDPStrategy):
         compression: float | None = None,
         demo_options: dict[str, Any] | None = None,
         log_tier_losses: bool = False,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = MatFormerRuntime(
+        runtime = MatFormerRuntime(
             tiers,
             widths,
             mode,
@@ -118,19 +97,8 @@ class MatFormerStrategy(DDPStrategy):
             compression=compression,
             demo_options=demo_options,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(runtime, **kwargs)
         self.log_tier_losses = bool(log_tier_losses)
-        self._sync_blocked = False
-        self._clipping_patched = False
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -150,16 +118,6 @@ class MatFormerStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
-    def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_nodes)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
-    @override
     def configure_ddp(self) -> None:
         """Set up tiers instead of wrapping in DDP: runs before ``setup_optimizers``, so optimizers see the slices."""
         module = self.lightning_module
@@ -174,26 +132,9 @@ class MatFormerStrategy(DDPStrategy):
                     "'32-true'."
                 )
             # Ranks hold different coordinates, so a local norm differs per rank; clip with the full model's norm.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            self._clipping_patched = True
-
-    def _global_step(self) -> int:
-        module = self.lightning_module
-        return module.trainer.global_step if module is not None and module._trainer is not None else 0
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+            self._use_runtime_clipping()
 
     # ------------------------------------------------------------------------------------------------ training
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        previous, self._sync_blocked = self._sync_blocked, True
-        try:
-            yield None
-        finally:
-            self._sync_blocked = previous
-
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
@@ -234,30 +175,7 @@ class MatFormerStrategy(DDPStrategy):
         if module is not None:
             self.runtime.restore_full(module)
 
-    @override
-    def teardown(self) -> None:
-        self.runtime.remove_masks()
-        if self._clipping_patched:
-            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
-            self._clipping_patched = False
-        super().teardown()
-
     # ------------------------------------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Rank 0 writes; with ``mode="demo"`` every rank's error-feedback buffers are collected into the file first
-        (collective: ``trainer.save_checkpoint`` runs on every rank)."""
-        entry = self.runtime.gather_exchange_state(self.root_device)
-        if entry is not None:
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: entry}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self.runtime.load_exchange_state(checkpoint.get(CHECKPOINT_KEY))
-        return checkpoint
-
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module

@@ -20,50 +20,22 @@ directory with one file per rank; ``fabric.load`` restores it in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.flexdemo.checkpoint import (
-    META_FILE,
-    full_state_dict,
-    load_local_module_state,
-    local_module_state,
-    make_meta,
-    rank_file,
-    read_meta,
-)
+from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
-from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
+from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
 
 
-class _SyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: backward passes inside launch no inter-node exchange."""
-
-    def __init__(self, strategy: FlexDeMoStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self._strategy._blocked() if enabled else nullcontext()
-
-
-class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
+class FlexDeMoStrategy(FabricStrategyBase):
     """Fabric strategy for FlexDeMo: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     One model and one optimizer per Fabric. ``setup_optimizers`` converts ``AdamW``/``Adam`` to ``DecoupledAdamW``
@@ -82,14 +54,8 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
         overlap: Start each block's exchange during backward (set False to use ``fabric.clip_gradients``).
         activation_checkpointing: Recompute each block's activations in backward.
         block_classes: Class names of the blocks to shard individually (default: found from the model).
-        accelerator: Set by Fabric.
-        parallel_devices: Set by Fabric.
-        cluster_environment: Set by Fabric.
-        checkpoint_io: Set by Fabric.
-        precision: Set by Fabric (``bf16-mixed`` gathers parameters in bf16, reduces in fp32).
-        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
-        timeout: Process group timeout.
-        start_method: ``"popen"`` (scripts) or ``"spawn"`` (``fabric.launch(fn)`` in notebooks and tests).
+        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
+            ``start_method``, ...): see :class:`~lightning_hetero.strategies.lifecycle.FabricStrategyBase`.
     """
 
     strategy_name = "flexdemo"
@@ -104,16 +70,9 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
         overlap: bool = True,
         activation_checkpointing: bool = False,
         block_classes: list[str] | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = FlexDeMoRuntime(
+        runtime = FlexDeMoRuntime(
             replicator,
             compression,
             replicator_options,
@@ -123,18 +82,7 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
             activation_checkpointing,
             block_classes,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self._backward_sync_control = _SyncControl(self)
-        self._sync_blocked = False
+        super().__init__(runtime, **kwargs)
         self.last_comm_metrics: dict[str, float] = {}
         """The ``comm/*`` metrics of the last optimizer step."""
 
@@ -150,16 +98,6 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
         return full_state_dict(self.runtime.module, self.runtime.topology)
 
     # ------------------------------------------------------------------------------------------------ setup
-    @override
-    def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_processes)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         precision = getattr(self.precision, "precision", "32-true")
@@ -178,43 +116,19 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
         if len(optimizers) != 1:
             raise ValueError(f"{self.runtime.owner} takes exactly one optimizer, got {len(optimizers)}.")
         (optimizer,) = optimizers
-        if any(optimizer.state.values()):
-            raise ValueError(
-                f"{self.runtime.owner}: the optimizer already holds state; set up the model and optimizer before the "
-                "first step."
-            )
-        names = {id(param): name for name, param in module.named_parameters()}
-        module = self.setup_module(module)  # fully_shard replaces the parameters with sharded ones
-        sharded = dict(module.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [sharded[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        module = self._setup_and_repoint(module, [optimizer])  # fully_shard replaces the parameters
         converted = self.setup_optimizer(optimizer)
         if scheduler is not None:
             repoint_scheduler(scheduler, optimizer, converted)
         return module, [converted], scheduler
 
     # ------------------------------------------------------------------------------------------------ training
-    @contextmanager
-    def _blocked(self) -> Any:
-        previous, self._sync_blocked = self._sync_blocked, True
-        self.runtime.arm(False)
-        try:
-            yield
-        finally:
-            self._sync_blocked = previous
-            self.runtime.arm(not previous)
-
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.runtime.before_step()
         output = super().optimizer_step(optimizer, **kwargs)
         self.last_comm_metrics = self.runtime.after_step()
         return output
-
-    @override
-    def teardown(self) -> None:
-        self.runtime.teardown()
-        super().teardown()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -224,35 +138,3 @@ class FlexDeMoStrategy(RuntimeFabricDDPStrategy):
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         load_local_module_state(module, state_dict, strict, self.runtime.owner)
-
-    @override
-    def save_checkpoint(
-        self,
-        path: str | Path,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{self.runtime.owner}.save_checkpoint does not take storage_options.")
-        converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
-        directory = Path(self.broadcast(str(path)))
-        if directory.is_file() and self.is_global_zero:
-            directory.unlink()  # a single-file checkpoint of another strategy under the same name
-        self.barrier("flexdemo_checkpoint_prepare")
-        directory.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_io.save_checkpoint(checkpoint=converted, path=rank_file(directory, self.global_rank))
-        if self.is_global_zero and self.runtime.module is not None:
-            torch.save(make_meta(self.runtime.module, self.runtime.topology), directory / META_FILE)
-        self.barrier("flexdemo_checkpoint_saved")
-
-    @override
-    def load_checkpoint(
-        self,
-        path: str | Path,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        read_meta(path, self.runtime.topology, self.runtime.owner)
-        return super().load_checkpoint(rank_file(path, self.global_rank), state, strict, weights_only=False)

@@ -25,38 +25,30 @@ With ``automatic_optimization = False`` the module's ``training_step`` runs inst
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from datetime import timedelta
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.strategies.common import destroy_process_group_at_exit
-from lightning_hetero.subspace import checkpoint as ckpt
+from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
-__all__ = ["METRICS_LABEL", "SubspaceDenseExport", "SubspacePipelineStrategy"]
+__all__ = ["METRICS_LABEL", "SubspacePipelineStrategy"]
 
 METRICS_LABEL = "metrics"
 """Ledger label of Lightning's metric reductions (``self.log(..., sync_dist=True)``) under this strategy."""
 
 
-class SubspacePipelineStrategy(DDPStrategy):
+class SubspacePipelineStrategy(TrainerStrategyBase):
     """Pipeline-parallel training of an HF Llama-family model whose stage boundaries carry ``k`` numbers per token.
 
     Every layer whose output crosses a boundary writes only into a shared ``k``-dim subspace span(U), and a frozen
@@ -80,14 +72,8 @@ class SubspacePipelineStrategy(DDPStrategy):
         update_every: Optimizer steps between subspace updates (0: frozen U).
         update_lr: Step size of the subspace update.
         seed: Seed of U and T_fixed (identical on every rank without communication).
-        accelerator: Set by the Trainer.
-        parallel_devices: Set by the Trainer.
-        cluster_environment: Set by the Trainer.
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer.
-        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
-        timeout: Process group timeout.
-        start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
     strategy_name = "subspace_pipeline"
@@ -106,16 +92,9 @@ class SubspacePipelineStrategy(DDPStrategy):
         update_every: int = 0,
         update_lr: float = 0.1,
         seed: int = 0,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = SubspacePipelineRuntime(
+        runtime = SubspacePipelineRuntime(
             num_stages,
             rank,
             compression,
@@ -129,18 +108,8 @@ class SubspacePipelineStrategy(DDPStrategy):
             update_lr,
             seed,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(runtime, **kwargs)
         self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
-        self._clipping_patched = False
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -169,16 +138,6 @@ class SubspacePipelineStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
-    def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
-    @override
     def setup(self, trainer: L.Trainer) -> None:
         """Build this rank's stage in place of the HF model, then optimizers and precision (no DDP wrapper)."""
         self._check_trainer(trainer)
@@ -194,8 +153,7 @@ class SubspacePipelineStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             # Stages hold disjoint parameters: clip every stage with the norm of the whole pipeline's gradient.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-            self._clipping_patched = True
+            self._use_runtime_clipping()
 
     def _check_trainer(self, trainer: L.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -223,14 +181,6 @@ class SubspacePipelineStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return self.runtime.sampler_kwargs(self.global_rank)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the checkpoint holds stage weights: load them into the stage, not into the full HF model
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.runtime.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
 
     # ------------------------------------------------------------------------------------------------ training
     @override
@@ -275,8 +225,7 @@ class SubspacePipelineStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        steps_done = (trainer.global_step if trainer is not None else 0) + 1  # global_step counts after this hook
+        steps_done = self._global_step() + 1  # global_step counts after this hook
         self.runtime.after_optimizer_step(optimizer, steps_done)
         return output
 
@@ -320,67 +269,6 @@ class SubspacePipelineStrategy(DDPStrategy):
             "SubspacePipelineStrategy does not run predict: export the model (strategy.export_dense(path)) and "
             "predict with a plain strategy."
         )
-
-    @override
-    def teardown(self) -> None:
-        if self._clipping_patched:
-            del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
-            self._clipping_patched = False
-        super().teardown()
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("SubspacePipelineStrategy.save_checkpoint does not take storage_options.")
-        if self.runtime.dp_rank == 0:
-            ckpt.write_stage_file(filepath, self.runtime.stage_index, _with_runtime_state(checkpoint, self.runtime))
-        if self.is_global_zero:
-            ckpt.write_meta(filepath, self.runtime.meta())
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        ckpt.check_meta(ckpt.read_meta(checkpoint_path), self.runtime.meta(), checkpoint_path)
-        checkpoint = ckpt.load_stage_file(checkpoint_path, self.runtime.stage_index)
-        self.runtime.subspace_updates = int(checkpoint.pop("subspace_pipeline", {}).get("subspace_updates", 0))
-        return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            ckpt.remove_pipeline_checkpoint(filepath)
-
-
-class SubspaceDenseExport(Callback):
-    """Write the trained pipeline as one plain HF checkpoint when ``fit`` ends (every rank joins; rank 0 writes).
-
-    ``transformers.AutoModelForCausalLM.from_pretrained(dirpath)`` then loads a standard model (U folded into the
-    weights, T_fixed added to the embedding) whose logits equal the pipeline's.
-
-    Args:
-        dirpath: Output directory.
-        save_tokenizer: Also save ``trainer.datamodule.tokenizer`` when the datamodule has one.
-    """
-
-    def __init__(self, dirpath: str, save_tokenizer: bool = True) -> None:
-        self.dirpath = str(dirpath)
-        self.save_tokenizer = bool(save_tokenizer)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, SubspacePipelineStrategy):
-            name = type(strategy).__name__
-            raise TypeError(f"SubspaceDenseExport needs Trainer(strategy=SubspacePipelineStrategy(...)), got {name}.")
-        datamodule = getattr(trainer, "datamodule", None)
-        tokenizer = getattr(datamodule, "tokenizer", None) if self.save_tokenizer else None
-        path = strategy.export_dense(self.dirpath, tokenizer=tokenizer)
-        if path is not None:
-            print(f"SubspaceDenseExport: plain HF checkpoint written to {path}")
-
-
-def _with_runtime_state(checkpoint: Mapping[str, Any], runtime: SubspacePipelineRuntime) -> dict[str, Any]:
-    return {**checkpoint, "subspace_pipeline": {"subspace_updates": runtime.subspace_updates}}
 
 
 def _batch_size(batch: Any) -> int:

@@ -18,37 +18,18 @@ works too: the optimizer, which must not hold state yet, is re-pointed at the sl
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
-from lightning_hetero.strategies.common import RuntimeFabricDDPStrategy, destroy_process_group_at_exit
+from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["MatFormerStrategy"]
-
-
-class _SyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: skip the per-region sync of the ``fabric.backward`` calls inside."""
-
-    def __init__(self, strategy: MatFormerStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self._strategy._blocked() if enabled else nullcontext()
 
 
 class _SlicingOptimizerLoader:
@@ -64,7 +45,7 @@ class _SlicingOptimizerLoader:
         self._optimizer.load_state_dict(self._strategy._slice_optimizer_state(state, self._optimizer))
 
 
-class MatFormerStrategy(RuntimeFabricDDPStrategy):
+class MatFormerStrategy(FabricStrategyBase):
     """Fabric strategy for tiered MatFormer data parallelism: each rank trains its own FFN prefix of one model.
 
     No DDP wrapper: ranks hold different shapes. ``fabric.backward(loss)`` runs the per-region gradient sync right
@@ -86,14 +67,8 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
         compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
             (default 1/32).
         demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
-        accelerator: Set by Fabric.
-        parallel_devices: Set by Fabric.
-        cluster_environment: Set by Fabric.
-        checkpoint_io: Set by Fabric.
-        precision: Set by Fabric.
-        process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
-        timeout: Process group timeout.
-        start_method: ``"popen"`` (scripts) or ``"spawn"`` (``fabric.launch(fn)`` in notebooks and tests).
+        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
+            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
 
     strategy_name = "matformer"
@@ -110,16 +85,9 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
         slice_weights: bool = True,
         compression: float | None = None,
         demo_options: dict[str, Any] | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        self.runtime = MatFormerRuntime(
+        runtime = MatFormerRuntime(
             tiers,
             widths,
             mode,
@@ -131,19 +99,7 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
             compression=compression,
             demo_options=demo_options,
         )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self._backward_sync_control = _SyncControl(self)
-        self._module: nn.Module | None = None
-        self._sync_blocked = False
+        super().__init__(runtime, **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
 
@@ -158,19 +114,8 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
         return self.runtime.layout
 
     @override
-    def _configure_launcher(self) -> None:
-        self.runtime.resolve_world(self.num_nodes * self.num_processes, self.num_nodes)
-        super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        destroy_process_group_at_exit()
-
-    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self._module is not None:
-            raise RuntimeError("MatFormerStrategy trains one model per Fabric; setup_module was already called.")
+        self._claim_module(module)
         self.runtime.setup(module, self.root_device, self._current_step)
         scaler = getattr(self.precision, "scaler", None)
         if self.runtime.heterogeneous and isinstance(self.precision, MixedPrecision) and scaler is not None:
@@ -178,36 +123,17 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
                 "MatFormerStrategy with mixed tiers cannot use precision='16-mixed': each rank's GradScaler would skip "
                 "steps on its own gradients and the shared weights would drift apart. Use 'bf16-mixed' or '32-true'."
             )
-        self._module = module
         return module
 
     @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        before = dict(module.named_parameters())
-        module = self.setup_module(module)
-        replaced = {id(before[name]): param for name, param in module.named_parameters() if before[name] is not param}
-        for optimizer in optimizers:
-            if replaced and optimizer.state:
-                raise RuntimeError(
-                    "MatFormerStrategy(slice_weights=True) replaced the FFN parameters, but the optimizer already "
-                    "holds state for the old ones. Call fabric.setup_module(model) first, then build the optimizer."
-                )
-            for group in optimizer.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        module = self._setup_and_repoint(module, optimizers)  # slicing replaces the FFN parameters
         return module, optimizers, scheduler
 
     def _current_step(self) -> int:
         return self.step
-
-    @contextmanager
-    def _blocked(self) -> Any:
-        previous, self._sync_blocked = self._sync_blocked, True
-        try:
-            yield
-        finally:
-            self._sync_blocked = previous
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -217,11 +143,10 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
 
     def sync_gradients(self, step: int | None = None) -> None:
         """Aggregate the gradients per region now (collective); ``step`` overrides the helper-draw step."""
-        if self._module is None:
-            raise RuntimeError("MatFormerStrategy.sync_gradients() needs fabric.setup_module(model) first.")
+        module = self._require_module()
         if step is not None:
             self.step = step
-        self.runtime.sync_gradients(self._module, self.step)
+        self.runtime.sync_gradients(module, self.step)
         self.step += 1
 
     def gather_full_model(self) -> None:
@@ -254,24 +179,7 @@ class MatFormerStrategy(RuntimeFabricDDPStrategy):
         for key, value in proxied.items():  # the base class replaces plain values in the dict it was given
             if not isinstance(value, _SlicingOptimizerLoader):
                 state[key] = value
-        self.runtime.load_exchange_state(remainder.pop(CHECKPOINT_KEY, None))
         return remainder
 
-    @override
-    def save_checkpoint(
-        self,
-        path: Any,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Any] | None = None,
-    ) -> None:
-        """Rank 0 writes; with ``mode="demo"`` every rank's error-feedback buffers are collected into the file first
-        (collective: ``fabric.save`` runs on every rank)."""
-        entry = self.runtime.gather_exchange_state(self.root_device)
-        if entry is not None:
-            state = {**state, CHECKPOINT_KEY: entry}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-
     def _slice_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> Any:
-        assert self._module is not None, "set up the module before loading optimizer state"
-        return self.runtime.slice_optimizer_state(state, optimizer, self._module)
+        return self.runtime.slice_optimizer_state(state, optimizer, self._require_module())

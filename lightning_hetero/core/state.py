@@ -1,0 +1,104 @@
+"""Collective helpers every strategy runtime uses: initial-state broadcast, setup agreement, norm clipping.
+
+All traffic goes through :mod:`lightning_hetero.comm`, so it is counted in the byte ledger under the given label.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_hetero import comm
+
+__all__ = ["all_gather_json", "broadcast_module_state", "clip_grad_norm_over_group"]
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, source: int, group: Any = None, label: str = comm.INTER) -> int:
+    """Copy ``source``'s parameters and buffers (local shards of DTensors) to every rank of ``group``.
+
+    Tensors shared by several names go once; empty tensors are skipped. Returns the number of tensors broadcast.
+    """
+    count = 0
+    seen: set[int] = set()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
+        if local.numel() == 0:
+            continue
+        if local.is_contiguous():
+            comm.broadcast(local, source, group=group, label=label)
+        else:
+            staged = local.contiguous()
+            comm.broadcast(staged, source, group=group, label=label)
+            local.copy_(staged)
+        count += 1
+    return count
+
+
+def all_gather_json(payload: Any, world_size: int, device: torch.device, label: str = comm.INTER) -> list[Any]:
+    """Every rank's JSON-serializable ``payload`` (lengths first, then padded UTF-8 bytes; no pickle)."""
+    data = torch.tensor(list(json.dumps(payload, sort_keys=True, default=str).encode()), dtype=torch.uint8)
+    if world_size == 1:
+        return [json.loads(bytes(data.tolist()).decode())]
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(lengths, length, label=label)
+    size = int(lengths.max())
+    padded = torch.zeros(size, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    everything = torch.empty(world_size * size, dtype=torch.uint8, device=device)
+    comm.all_gather_into_tensor(everything, padded, label=label)
+    rows = everything.view(world_size, size).cpu()
+    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world_size)]
+
+
+@torch.no_grad()
+def clip_grad_norm_over_group(
+    grads: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: Any,
+    label: str,
+    error_if_nonfinite: bool = False,
+    reduce: bool = True,
+    device: torch.device | None = None,
+    owner: str = "",
+) -> Tensor:
+    """Clip ``grads`` in place by the ``norm_type``-norm of the gradient spread over the ranks of ``group``.
+
+    Each rank holds a disjoint part of the gradient, so the global ``p``-norm is the ``p``-th root of the sum of the
+    ranks' ``p``-th powers (the maximum for ``inf``): one scalar all-reduce. ``reduce=False`` (no partner ranks)
+    skips it. Every rank gets the same coefficient. Returns the total norm; ``owner`` prefixes the error message.
+    """
+    grads = [g for g in grads if g.numel()]
+    device = grads[0].device if grads else (device or torch.device("cpu"))
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        total = total.reshape(1).clone()
+        if reduce:
+            comm.all_reduce(total, "max", group=group, label=label)
+    else:
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for grad in grads:
+            total += torch.linalg.vector_norm(grad.float(), norm_type) ** norm_type
+        if reduce:
+            comm.all_reduce(total, "sum", group=group, label=label)
+        total = total ** (1.0 / norm_type)
+    norm = total[0]
+    if error_if_nonfinite and not torch.isfinite(norm):
+        prefix = f"{owner}: " if owner else ""
+        raise RuntimeError(f"{prefix}the gradient norm of order {norm_type} is {float(norm)}; nothing was clipped.")
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.dtype))
+    return norm

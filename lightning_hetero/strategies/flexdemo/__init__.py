@@ -1,0 +1,1 @@
+"""FlexDeMo's Lightning adapters: :class:`trainer.FlexDeMoStrategy` (Trainer) and :class:`fabric.FlexDeMoStrategy`."""

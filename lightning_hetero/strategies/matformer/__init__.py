@@ -1,0 +1,1 @@
+"""MatFormer's Lightning adapters: :class:`trainer.MatFormerStrategy` (Trainer) and :class:`fabric.MatFormerStrategy`."""

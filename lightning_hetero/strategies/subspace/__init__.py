@@ -1,0 +1,1 @@
+"""Subspace pipeline's Lightning adapters: :class:`trainer.SubspacePipelineStrategy` and :class:`fabric.SubspacePipelineStrategy`."""

@@ -1,0 +1,73 @@
+"""Where the pipeline stage lives inside the user's module: the stage container and the decoder's location."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_hetero.subspace.model import find_decoder
+
+__all__ = ["PipelineStageModel", "find_container", "hollow_into", "locate_decoder"]
+
+
+class PipelineStageModel(nn.Module):
+    """Takes the place of the user's HF model inside their module: holds only this rank's stage.
+
+    Its parameters are the stage's, so ``configure_optimizers`` (``self.parameters()``) builds an optimizer over this
+    rank's share of the model. Calling it directly is an error: the strategy drives the stage through the schedule.
+
+    Args:
+        stage: This rank's stage module.
+        config: The HF config of the original model (kept for code that reads ``model.config``).
+        stage_index: Index of the stage.
+        num_stages: Number of stages.
+    """
+
+    def __init__(self, stage: nn.Module, config: Any, stage_index: int, num_stages: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.config = config
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"This model is stage {self.stage_index} of a {self.num_stages}-stage SubspacePipelineStrategy pipeline; "
+            "it cannot run on its own. The strategy runs the schedule for you (Trainer), or call "
+            "strategy.train_step(batch) / strategy.eval_step(batch) (Fabric). Export the whole model with "
+            "strategy.export_dense(path)."
+        )
+
+
+def hollow_into(module: nn.Module, container: PipelineStageModel) -> None:
+    """Make ``container`` the only content of ``module`` (the bare HF model): its own modules, parameters and buffers
+    go, its ``forward`` becomes the container's (which explains how to run the pipeline)."""
+    for registry in (module._modules, module._parameters, module._buffers):
+        registry.clear()
+    module.pipeline = container
+    module.forward = container.forward  # type: ignore[method-assign]
+
+
+def find_container(module: nn.Module) -> PipelineStageModel | None:
+    if isinstance(module, PipelineStageModel):
+        return module
+    for sub in module.modules():
+        if isinstance(sub, PipelineStageModel):
+            return sub
+    return None
+
+
+def locate_decoder(module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
+    """``(parent, attribute, hf_model)``: the supported HF causal LM inside ``module`` and where it hangs.
+
+    ``parent`` is None when ``module`` is the HF model itself.
+
+    Raises:
+        ValueError: No supported model inside (the subspace core's message names the supported families).
+    """
+    parts = find_decoder(module)
+    if not parts.path:
+        return None, "", parts.causal_lm
+    parent_name, _, attribute = parts.path.rpartition(".")
+    return module.get_submodule(parent_name), attribute, parts.causal_lm
