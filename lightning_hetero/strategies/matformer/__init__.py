@@ -1,1 +1,1 @@
-"""MatFormer's Lightning adapters: :class:`trainer.MatFormerStrategy` (Trainer) and :class:`fabric.MatFormerStrategy`."""
+"""MatFormer's Lightning adapters: ``trainer.MatFormerStrategy`` (Trainer) and ``fabric.MatFormerStrategy``."""

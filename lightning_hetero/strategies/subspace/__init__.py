@@ -1,1 +1,1 @@
-"""Subspace pipeline's Lightning adapters: :class:`trainer.SubspacePipelineStrategy` and :class:`fabric.SubspacePipelineStrategy`."""
+"""Subspace pipeline adapters: ``trainer.SubspacePipelineStrategy`` and ``fabric.SubspacePipelineStrategy``."""

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
-from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.models import CausalLMModule
+from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from tests.token_data import VOCAB, progressions
 
 SMALL = {

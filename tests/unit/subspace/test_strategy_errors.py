@@ -8,10 +8,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_hetero.subspace import checkpoint as ckpt
 from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
-from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
+from lightning_hetero.subspace import checkpoint as ckpt
+from lightning_hetero.subspace.pipeline import split_batch
 
 
 @pytest.mark.parametrize("cls", [SubspacePipelineStrategy, FabricSubspacePipelineStrategy])
