@@ -5,7 +5,7 @@ Nothing here imports Lightning; :mod:`lightning_hetero.strategies.lifecycle` ada
 """
 
 from lightning_hetero.core.checkpoint_dir import load_part, part_file, remove_checkpoint, write_part
-from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size
+from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size, runtime_arguments
 from lightning_hetero.core.state import all_gather_json, broadcast_module_state, clip_grad_norm_over_group
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "part_file",
     "process_rank_and_size",
     "remove_checkpoint",
+    "runtime_arguments",
     "write_part",
 ]

@@ -8,6 +8,7 @@ accumulation, clipping, extra checkpoint state, directory checkpoints and teardo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StrategyRuntime", "WorldLayout", "process_rank_and_size"]
+__all__ = ["StrategyRuntime", "WorldLayout", "process_rank_and_size", "runtime_arguments"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ def process_rank_and_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def runtime_arguments(runtime_class: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``arguments`` (an adapter's ``locals()``) that ``runtime_class`` takes, by name.
+
+    The Trainer and Fabric adapters spell out the runtime's arguments in their own typed signatures (LightningCLI
+    reads them); this hands them on without listing them a second and third time.
+    """
+    names = inspect.signature(runtime_class).parameters
+    return {name: value for name, value in arguments.items() if name in names and name != "owner"}
 
 
 class StrategyRuntime:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
@@ -72,17 +73,7 @@ class FlexDeMoStrategy(FabricStrategyBase):
         block_classes: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        runtime = FlexDeMoRuntime(
-            replicator,
-            compression,
-            replicator_options,
-            shard_size,
-            drift_check_every,
-            overlap,
-            activation_checkpointing,
-            block_classes,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)
         self.last_comm_metrics: dict[str, float] = {}
         """The ``comm/*`` metrics of the last optimizer step."""
 

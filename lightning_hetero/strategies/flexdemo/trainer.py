@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
@@ -83,17 +84,7 @@ class FlexDeMoStrategy(TrainerStrategyBase):
         log_comm_stats: bool = True,
         **kwargs: Any,
     ) -> None:
-        runtime = FlexDeMoRuntime(
-            replicator,
-            compression,
-            replicator_options,
-            shard_size,
-            drift_check_every,
-            overlap,
-            activation_checkpointing,
-            block_classes,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)
         self.log_comm_stats = bool(log_comm_stats)
 
     # ------------------------------------------------------------------------------------------------ public

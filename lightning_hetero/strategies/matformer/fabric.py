@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
@@ -87,19 +88,7 @@ class MatFormerStrategy(FabricStrategyBase):
         demo_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        runtime = MatFormerRuntime(
-            tiers,
-            widths,
-            mode,
-            tier_weights,
-            helper_fraction,
-            helper_redraw_every,
-            helper_seed,
-            slice_weights,
-            compression=compression,
-            demo_options=demo_options,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
 

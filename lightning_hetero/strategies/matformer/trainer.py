@@ -28,6 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hetero import comm
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.tiers import TierLayout
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
@@ -85,19 +86,7 @@ class MatFormerStrategy(TrainerStrategyBase):
         log_tier_losses: bool = False,
         **kwargs: Any,
     ) -> None:
-        runtime = MatFormerRuntime(
-            tiers,
-            widths,
-            mode,
-            tier_weights,
-            helper_fraction,
-            helper_redraw_every,
-            helper_seed,
-            slice_weights,
-            compression=compression,
-            demo_options=demo_options,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)
         self.log_tier_losses = bool(log_tier_losses)
 
     # ------------------------------------------------------------------------------------------------ public

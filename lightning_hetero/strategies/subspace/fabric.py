@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
@@ -63,21 +64,7 @@ class SubspacePipelineStrategy(FabricStrategyBase):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        runtime = SubspacePipelineRuntime(
-            num_stages,
-            rank,
-            compression,
-            schedule,
-            n_microbatches,
-            data_parallel_size,
-            compress,
-            mode,
-            coord_dtype,
-            update_every,
-            update_lr,
-            seed,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
 
     @property
     def steps(self) -> int:

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
+from lightning_hetero.core import runtime_arguments
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
@@ -94,21 +95,7 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        runtime = SubspacePipelineRuntime(
-            num_stages,
-            rank,
-            compression,
-            schedule,
-            n_microbatches,
-            data_parallel_size,
-            compress,
-            mode,
-            coord_dtype,
-            update_every,
-            update_lr,
-            seed,
-        )
-        super().__init__(runtime, **kwargs)
+        super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
         self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------ public
