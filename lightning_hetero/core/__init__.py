@@ -6,12 +6,18 @@ Nothing here imports Lightning; :mod:`lightning_hetero.strategies.lifecycle` ada
 
 from lightning_hetero.core.checkpoint_dir import load_part, part_file, remove_checkpoint, write_part
 from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size, runtime_arguments
-from lightning_hetero.core.state import all_gather_json, broadcast_module_state, clip_grad_norm_over_group
+from lightning_hetero.core.state import (
+    all_gather_json,
+    average_gradients,
+    broadcast_module_state,
+    clip_grad_norm_over_group,
+)
 
 __all__ = [
     "StrategyRuntime",
     "WorldLayout",
     "all_gather_json",
+    "average_gradients",
     "broadcast_module_state",
     "clip_grad_norm_over_group",
     "load_part",

@@ -64,6 +64,8 @@ class StrategyRuntime:
     """Key of :meth:`extra_checkpoint_state` inside a checkpoint."""
     directory_checkpoint: ClassVar[bool] = False
     """True: a checkpoint is a directory with a part file per writing rank plus a metadata file."""
+    restore_after_setup: ClassVar[bool] = False
+    """True: a checkpoint holds what setup makes of the model (shards, stages, codes), so it is restored after."""
 
     # ------------------------------------------------------------------------------------------------ launch
     def resolve_launch(self, world: WorldLayout) -> None:

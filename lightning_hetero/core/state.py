@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
 
-__all__ = ["all_gather_json", "broadcast_module_state", "clip_grad_norm_over_group"]
+__all__ = ["all_gather_json", "average_gradients", "broadcast_module_state", "clip_grad_norm_over_group"]
 
 
 @torch.no_grad()
@@ -42,6 +42,27 @@ def broadcast_module_state(module: nn.Module, source: int, group: Any = None, la
             local.copy_(staged)
         count += 1
     return count
+
+
+@torch.no_grad()
+def average_gradients(parameters: Iterable[nn.Parameter], group: Any, label: str) -> None:
+    """Average the gradients of ``parameters`` over ``group``: one flat all-reduce per dtype.
+
+    A parameter without a gradient counts as zeros (it gets a zero gradient), so every rank sends the same tensors.
+    """
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        by_dtype.setdefault(param.grad.dtype, []).append(param)
+    for params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        comm.all_reduce(flat, "avg", label=label, group=group)
+        offset = 0
+        for param in params:
+            count = param.grad.numel()
+            param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
+            offset += count
 
 
 def all_gather_json(payload: Any, world_size: int, device: torch.device, label: str = comm.INTER) -> list[Any]:

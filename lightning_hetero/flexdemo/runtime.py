@@ -61,6 +61,7 @@ class FlexDeMoRuntime(StrategyRuntime):
     """
 
     directory_checkpoint = True  # each rank holds its own shards and error feedback
+    restore_after_setup = True
 
     def __init__(
         self,

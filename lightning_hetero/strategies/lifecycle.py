@@ -186,8 +186,7 @@ class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # Directory checkpoints hold what each rank holds after setup (shards, stages): load into that.
-        return self.runtime.directory_checkpoint or super().restore_checkpoint_after_setup
+        return self.runtime.restore_after_setup or super().restore_checkpoint_after_setup
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -293,6 +292,17 @@ class FabricStrategyBase(_RuntimeLifecycle, FabricDDPStrategy):
             for group in optimizer.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         return module
+
+    def _require_optimizers_follow(self, module: nn.Module, optimizers: list[Optimizer], why: str) -> None:
+        """Raise if an optimizer holds parameters ``module`` no longer has (it was built before ``setup_module``)."""
+        kept = {id(p) for p in module.parameters()}
+        for optimizer in optimizers:
+            if any(id(p) not in kept for group in optimizer.param_groups for p in group["params"]):
+                raise RuntimeError(
+                    f"{self.runtime.owner} {why}, so an optimizer built before setup holds parameters the model no "
+                    "longer has. Call model = fabric.setup_module(model) first, then build the optimizer from "
+                    "model.parameters() and pass it to fabric.setup_optimizers."
+                )
 
     @override
     def clip_gradients_norm(

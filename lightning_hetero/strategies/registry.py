@@ -84,6 +84,19 @@ BUILTIN_STRATEGIES.extend(
             description="Subspace pipeline with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
+        StrategySpec(
+            "sparseflip",
+            "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
+            "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
+            description="Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients",
+        ),
+        StrategySpec(
+            "sparseflip_spawn",
+            "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
+            "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
+            description="sparseflip with start_method='spawn'",
+            init_params={"start_method": "spawn"},
+        ),
     ]
 )
 

@@ -26,7 +26,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
-from lightning_hetero.core import StrategyRuntime, WorldLayout, broadcast_module_state, clip_grad_norm_over_group
+from lightning_hetero.core import (
+    StrategyRuntime,
+    WorldLayout,
+    average_gradients,
+    broadcast_module_state,
+    clip_grad_norm_over_group,
+)
 from lightning_hetero.subspace.checkpoint import EXPORT_LABEL
 from lightning_hetero.subspace.container import PipelineStageModel, find_container, hollow_into, locate_decoder
 from lightning_hetero.subspace.pipeline import (
@@ -70,6 +76,7 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
 
     checkpoint_key = "subspace_pipeline"
     directory_checkpoint = True  # one part per stage (written by replica 0) plus meta.json
+    restore_after_setup = True
 
     def __init__(
         self,
@@ -313,20 +320,7 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
         groups = self._groups
         if self.data_parallel_size == 1 or groups.dp_group is None:
             return
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            by_dtype.setdefault(param.grad.dtype, []).append(param)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            comm.all_reduce(flat, "avg", label=DP_LABEL, group=groups.dp_group)
-            offset = 0
-            for param in group:
-                count = param.grad.numel()
-                param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
-                offset += count
+        average_gradients([p for p in self.stage.parameters() if p.requires_grad], groups.dp_group, DP_LABEL)
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

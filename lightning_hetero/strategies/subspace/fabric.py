@@ -120,14 +120,7 @@ class SubspacePipelineStrategy(FabricStrategyBase):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         module = self.setup_module(module)
-        kept = {id(p) for p in module.parameters()}
-        for optimizer in optimizers:
-            if any(id(p) not in kept for group in optimizer.param_groups for p in group["params"]):
-                raise RuntimeError(
-                    "SubspacePipelineStrategy replaces the model by this rank's stage, so an optimizer built before "
-                    "setup holds parameters of other stages. Call model = fabric.setup_module(model) first, then "
-                    "build the optimizer from model.parameters() and pass it to fabric.setup_optimizers."
-                )
+        self._require_optimizers_follow(module, optimizers, "replaces the model by this rank's stage")
         return module, optimizers, scheduler
 
     @override

@@ -1,0 +1,1 @@
+"""The ``sparseflip`` adapters: ``trainer.SparseFlipStrategy`` (Trainer) and ``fabric.SparseFlipStrategy``."""

@@ -1,0 +1,102 @@
+"""``SparseFlipStrategy`` for the Lightning Trainer: low-bit weights trained by flips, exchanged as sparse lists.
+
+The work is done by :class:`~lightning_hetero.lowbit.runtime.SparseFlipRuntime`; this adapter decides when:
+
+- ``setup`` (before precision, optimizers and checkpoint restore): the model's Linear / Conv2d / HF Conv1D layers
+  become flip-mode ternary (or binary) layers, rank 0's state is copied everywhere, ``configure_optimizers`` then
+  sees only the remaining fp parameters (biases, norms, embeddings, heads, scales). No DDP wrapper.
+- ``post_backward`` (final micro-batch only): fp gradients averaged, code gradients thresholded and exchanged.
+- ``optimizer_step``: the user's optimizer steps the fp parameters, then every rank applies the same flips.
+  ``lowbit/flips``, ``lowbit/selected`` and ``comm/*`` bytes are logged per step.
+
+Checkpoints are Lightning's single file from rank 0: the codes and scales are buffers of the module's state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_hetero.core import runtime_arguments
+from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+
+__all__ = ["SparseFlipStrategy"]
+
+
+class SparseFlipStrategy(TrainerStrategyBase):
+    """Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients (seed 003).
+
+    Args:
+        kind: ``"ternary"`` or ``"binary"``.
+        granularity: ``"row"`` (a scale per output channel) or ``"layer"``.
+        flips_per_step: Codes flipped per step (``k``); None: ``ceil(flip_fraction * codes)``.
+        flip_fraction: ``k`` as a fraction of the codes when ``flips_per_step`` is None.
+        tau: Fixed send threshold on ``|g|``; exclusive with ``density``.
+        density: Fraction of the codes each rank sends (default 0.01 when ``tau`` is None).
+        encoding: Sent values: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"``.
+        aggregation: ``"server"`` (parameter server ``server``) or ``"allgather"`` (decentralized, same flips).
+        server: Global rank of the parameter server.
+        skip: Module-name patterns kept in fp (default: heads, classifiers, embeddings).
+        include: Layer types to convert (default ``["Linear", "Conv2d", "Conv1D"]``).
+        drift_check_every: Check every N steps that all ranks hold bit-identical state (0: off).
+        on_nonfinite: ``"raise"`` or ``"skip"`` (warn and apply no flips) on a NaN/Inf code gradient.
+        log_comm_stats: Log ``lowbit/*`` and ``comm/*`` per step.
+        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
+    """
+
+    strategy_name = "sparseflip"
+
+    def __init__(
+        self,
+        kind: str = "ternary",
+        granularity: str = "row",
+        flips_per_step: int | None = None,
+        flip_fraction: float = 1e-3,
+        tau: float | None = None,
+        density: float | None = None,
+        encoding: str = "bf16",
+        aggregation: str = "server",
+        server: int = 0,
+        skip: list[str] | None = None,
+        include: list[str] | None = None,
+        drift_check_every: int = 0,
+        on_nonfinite: str = "raise",
+        log_comm_stats: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)
+        self.log_comm_stats = bool(log_comm_stats)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.lightning_module is not None
+        self.runtime.setup(self.lightning_module, self.root_device)  # before optimizers, precision and restore
+        super().setup(trainer)
+
+    @override
+    def configure_ddp(self) -> None:
+        pass  # no DDP wrapper: fp gradients are averaged and codes exchanged in post_backward
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        pass
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not self._sync_blocked:
+            self.runtime.sync_gradients()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        metrics = self.runtime.after_optimizer_step()
+        module = self.lightning_module
+        if self.log_comm_stats and module is not None and module._trainer is not None:
+            for name, value in metrics.items():
+                module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        return output
