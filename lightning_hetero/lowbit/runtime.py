@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,11 +31,14 @@ from lightning_hetero.core import (
 )
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
 from lightning_hetero.lowbit.flip import CodeLayout
+from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.sparse import EXCHANGE_MODES, SparseFlipExchange
 
-__all__ = ["NONFINITE_POLICIES", "SparseFlipRuntime"]
+__all__ = ["CHECKPOINT_LABEL", "NONFINITE_POLICIES", "SparseFlipRuntime"]
 
+CHECKPOINT_LABEL = "checkpoint"
+"""Ledger label of gathering the fp residuals into rank 0's checkpoint."""
 NONFINITE_POLICIES = ("raise", "skip")
 """What a step with a non-finite code gradient does: raise on every rank, or skip the flips (and warn)."""
 
@@ -57,10 +60,13 @@ class SparseFlipRuntime(StrategyRuntime):
         include: Layer types to convert (default: ``Linear``, ``Conv2d``, ``Conv1D``).
         drift_check_every: Every N steps, check that every rank holds bit-identical codes and weights (0: off).
         on_nonfinite: ``"raise"`` or ``"skip"`` when a rank's code gradient holds NaN/Inf.
+        fp_density: None: the fp gradients are averaged densely (as DDP). A fraction in (0, 1]: each rank sends
+            only that fraction of them as a sparse list, with error feedback (:mod:`~lightning_hetero.lowbit.fp_sync`).
         owner: Class name used in messages.
     """
 
     restore_after_setup = True  # checkpoints hold codes and scales, which exist only after conversion
+    checkpoint_key = "sparseflip"
 
     def __init__(
         self,
@@ -77,6 +83,7 @@ class SparseFlipRuntime(StrategyRuntime):
         include: Sequence[str] | None = None,
         drift_check_every: int = 0,
         on_nonfinite: str = "raise",
+        fp_density: float | None = None,
         owner: str = "SparseFlipStrategy",
     ) -> None:
         self.owner = owner
@@ -105,6 +112,10 @@ class SparseFlipRuntime(StrategyRuntime):
             raise ValueError(f"{owner}(drift_check_every={drift_check_every!r}): use an int >= 0 (0 turns it off).")
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"{owner}(on_nonfinite={on_nonfinite!r}): use one of {list(NONFINITE_POLICIES)}.")
+        if fp_density is not None and not (isinstance(fp_density, (int, float)) and 0 < fp_density <= 1):
+            raise ValueError(
+                f"{owner}(fp_density={fp_density!r}): use a number in (0, 1], or None for a dense average."
+            )
         from lightning_hetero.comm import codecs
 
         try:
@@ -118,6 +129,9 @@ class SparseFlipRuntime(StrategyRuntime):
         self.skip = tuple(DEFAULT_SKIP if skip is None else skip)
         self.include = None if include is None else list(include)
         self.drift_check_every, self.on_nonfinite = drift_check_every, on_nonfinite
+        self.fp_density = fp_density
+        self.fp_sync: SparseGradientAverage | None = None
+        self._pending_fp_state: dict[str, Any] | None = None
         self.module: nn.Module | None = None
         self.layout: CodeLayout | None = None
         self.exchange: SparseFlipExchange | None = None
@@ -182,6 +196,11 @@ class SparseFlipRuntime(StrategyRuntime):
             label=comm.INTER,
             group=group,
         )
+        if self.fp_density is not None:
+            numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+            self.fp_sync = SparseGradientAverage(numel, self.fp_density, self.encoding, comm.INTER, group)
+            if self._pending_fp_state is not None:
+                self.load_extra_checkpoint_state(self._pending_fp_state)
         self.module, self.layout = module, layout
         return module
 
@@ -191,9 +210,8 @@ class SparseFlipRuntime(StrategyRuntime):
         if self.module is None or self.layout is None or self.exchange is None:
             raise RuntimeError(f"{self.owner}: sync_gradients() before setup; set up the module first.")
         _, world_size = process_rank_and_size()
-        fp_params = [p for p in self.module.parameters() if p.requires_grad]
-        if world_size > 1 and fp_params:
-            average_gradients(fp_params, None, comm.INTER)
+        sent_before = comm.get_ledger().totals(comm.INTER).sent
+        self._sync_fp_gradients(world_size)
         grad = self.layout.flat_grad().cpu()
         finite = torch.tensor([float(bool(torch.isfinite(grad).all()))])
         if world_size > 1:
@@ -205,7 +223,6 @@ class SparseFlipRuntime(StrategyRuntime):
             warnings.warn(f"{message}; this step's flips are skipped.", RuntimeWarning, stacklevel=2)
             self._pending, self._metrics = None, {"lowbit/skipped_nonfinite": 1.0}
             return
-        sent_before = comm.get_ledger().totals(comm.INTER).sent
         indices, directions = self.exchange.step(grad, self.layout.flat_codes().cpu())
         self._pending = (indices, directions)
         self._metrics = {
@@ -214,6 +231,49 @@ class SparseFlipRuntime(StrategyRuntime):
             "comm/flip_bytes_sent": float(self.exchange.last_bytes[0]),
             "comm/flip_bytes_received": float(self.exchange.last_bytes[1]),
         }
+
+    def _sync_fp_gradients(self, world_size: int) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad] if self.module is not None else []
+        if self.fp_sync is None:
+            if world_size > 1 and params:
+                average_gradients(params, None, comm.INTER)
+            return
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+        averaged = self.fp_sync.average(flat)
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.grad.copy_(averaged[offset : offset + count].view_as(param.grad))
+            offset += count
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
+        """``fp_density``: every rank's error-feedback residual, gathered into rank 0's checkpoint (collective)."""
+        if self.fp_sync is None:
+            return None
+        residual = self.fp_sync.residual
+        _, world_size = process_rank_and_size()
+        if world_size == 1:
+            return {"residuals": [residual.clone()]}
+        gathered = torch.empty(world_size * residual.numel(), dtype=residual.dtype)
+        comm.all_gather_into_tensor(gathered, residual.contiguous(), label=CHECKPOINT_LABEL)
+        return {"residuals": list(gathered.view(world_size, -1).clone().unbind(0))}
+
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
+        """Restore this rank's residual (applied at setup when the exchange does not exist yet)."""
+        if self.fp_density is None or entry is None:
+            return
+        if self.fp_sync is None:
+            self._pending_fp_state = dict(entry)
+            return
+        rank, world_size = process_rank_and_size()
+        residuals = entry.get("residuals", [])
+        state = {"residual": residuals[rank]} if len(residuals) == world_size else {}
+        self.fp_sync.load_state_dict(state)
+        self._pending_fp_state = None
 
     def after_optimizer_step(self) -> dict[str, float]:
         """Apply the step's flips, clear the code gradients, run the drift guard when due; returns the metrics."""

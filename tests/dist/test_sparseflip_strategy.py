@@ -84,10 +84,16 @@ def test_replicas_identical_and_server_equals_allgather(tmp_path):
     assert server[0]["state"]["net.0.codes"].dtype == torch.int8
 
 
-def test_resume_mid_run_is_bit_identical(tmp_path):
-    full = _fit(tmp_path / "full", 8)
-    _fit(tmp_path / "first", 4, checkpoint=tmp_path / "step4.ckpt")
-    resumed = _fit(tmp_path / "resumed", 8, ckpt_path=tmp_path / "step4.ckpt")
+@pytest.mark.parametrize("fp_density", [None, 0.25])
+def test_resume_mid_run_is_bit_identical(tmp_path, fp_density):
+    """Dense fp average, and sparse fp lists whose error-feedback residuals travel in rank 0's checkpoint."""
+    full = _fit(tmp_path / "full", 8, fp_density=fp_density)
+    _fit(tmp_path / "first", 4, checkpoint=tmp_path / "step4.ckpt", fp_density=fp_density)
+    resumed = _fit(tmp_path / "resumed", 8, ckpt_path=tmp_path / "step4.ckpt", fp_density=fp_density)
+    if fp_density is not None:
+        saved = torch.load(tmp_path / "step4.ckpt", weights_only=False)["sparseflip"]["residuals"]
+        assert len(saved) == 2 and not torch.equal(saved[0], saved[1])  # each rank's own residual
+    _assert_states_equal(full[0]["state"], full[1]["state"])
     for rank in range(2):
         _assert_states_equal(full[rank]["state"], resumed[rank]["state"])
         assert str(full[rank]["optimizer"]) == str(resumed[rank]["optimizer"])

@@ -33,7 +33,7 @@ class SparseFlipStrategy(FabricStrategyBase):
 
     Arguments as in the Trainer's :class:`lightning_hetero.SparseFlipStrategy` (``kind``, ``granularity``,
     ``flips_per_step``, ``flip_fraction``, ``tau`` or ``density``, ``encoding``, ``aggregation``, ``server``,
-    ``skip``, ``include``, ``drift_check_every``, ``on_nonfinite``), plus Fabric's (``**kwargs``; see
+    ``skip``, ``include``, ``drift_check_every``, ``on_nonfinite``, ``fp_density``), plus Fabric's (``**kwargs``; see
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
@@ -54,6 +54,7 @@ class SparseFlipStrategy(FabricStrategyBase):
         include: list[str] | None = None,
         drift_check_every: int = 0,
         on_nonfinite: str = "raise",
+        fp_density: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)

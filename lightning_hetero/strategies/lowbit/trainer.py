@@ -44,6 +44,8 @@ class SparseFlipStrategy(TrainerStrategyBase):
         include: Layer types to convert (default ``["Linear", "Conv2d", "Conv1D"]``).
         drift_check_every: Check every N steps that all ranks hold bit-identical state (0: off).
         on_nonfinite: ``"raise"`` or ``"skip"`` (warn and apply no flips) on a NaN/Inf code gradient.
+        fp_density: None: fp gradients (biases, norms, embeddings, heads) are averaged densely. A fraction: each
+            rank sends only that share of them, sparse, with error feedback (residuals saved in checkpoints).
         log_comm_stats: Log ``lowbit/*`` and ``comm/*`` per step.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
@@ -66,6 +68,7 @@ class SparseFlipStrategy(TrainerStrategyBase):
         include: list[str] | None = None,
         drift_check_every: int = 0,
         on_nonfinite: str = "raise",
+        fp_density: float | None = None,
         log_comm_stats: bool = True,
         **kwargs: Any,
     ) -> None:
