@@ -46,6 +46,7 @@ from lightning_hetero.lowbit.wire import (
 
 __all__ = [
     "EXCHANGE_MODES",
+    "all_gather_messages",
     "SparseFlipExchange",
     "aggregate_flips",
     "exchange_bytes",
@@ -131,6 +132,30 @@ def exchange_bytes(
     ]
 
 
+def all_gather_messages(message: torch.Tensor, n: int, numel: int, encoding: str, **kwargs: Any) -> list[torch.Tensor]:
+    """Every rank's sparse message (headers first, then the bodies zero-padded to the longest; counted).
+
+    Raises:
+        ValueError: a header announces more entries than ``numel``.
+    """
+    headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(n)]
+    comm.all_gather(headers, message[:HEADER_BYTES].clone(), **kwargs)
+    sizes = []
+    for header in headers:
+        count = read_count(header)
+        if count > numel:
+            raise ValueError(f"sparse message header: count {count} exceeds numel {numel}.")
+        sizes.append(sparse_message_nbytes(count, numel, encoding))
+    longest = max(sizes) - HEADER_BYTES
+    if longest == 0:
+        return headers
+    body = torch.zeros(longest, dtype=torch.uint8)
+    body[: message.numel() - HEADER_BYTES] = message[HEADER_BYTES:]
+    bodies = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    comm.all_gather(bodies, body, **kwargs)
+    return [torch.cat((h, b[: s - HEADER_BYTES])) for h, b, s in zip(headers, bodies, sizes, strict=True)]
+
+
 # ------------------------------------------------------------------------------------------------ the exchange
 class SparseFlipExchange:
     """One distributed flip step over counted collectives (see the module docstring).
@@ -213,17 +238,7 @@ class SparseFlipExchange:
         return decode_flips(flips, self.numel)
 
     def _all_gather(self, message: torch.Tensor, n: int, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(n)]
-        comm.all_gather(headers, message[:HEADER_BYTES].clone(), **kwargs)
-        sizes = [self._size_from_header(h) for h in headers]
-        longest = max(sizes) - HEADER_BYTES
-        if longest == 0:
-            return headers
-        body = torch.zeros(longest, dtype=torch.uint8)
-        body[: message.numel() - HEADER_BYTES] = message[HEADER_BYTES:]
-        bodies = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
-        comm.all_gather(bodies, body, **kwargs)
-        return [torch.cat((h, b[: s - HEADER_BYTES])) for h, b, s in zip(headers, bodies, sizes, strict=True)]
+        return all_gather_messages(message, n, self.numel, self.encoding, **kwargs)
 
     def _size_from_header(self, header: torch.Tensor) -> int:
         count = read_count(header)
