@@ -36,16 +36,16 @@ def write_part(directory: str | os.PathLike, part: str, state: Mapping[str, Any]
 
 
 def load_part(directory: str | os.PathLike, part: str, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load ``part`` of checkpoint ``directory``.
+    """Load ``part`` of checkpoint ``directory`` with ``weights_only=True`` (tensors and plain containers only).
 
     Raises:
         FileNotFoundError: the part is missing; the message names the file and the checkpoint.
+        pickle.UnpicklingError: the file holds anything else (e.g. a crafted pickle); nothing of it is executed.
     """
     target = part_file(directory, part)
     if not target.is_file():
         raise FileNotFoundError(f"{target} is missing: the checkpoint at {directory} has no part {part!r}.")
-    # Lightning's loop and callback state are plain Python objects; our own peers' payloads never go through here.
-    return torch.load(target, map_location=map_location, weights_only=False)
+    return torch.load(target, map_location=map_location, weights_only=True)
 
 
 def remove_checkpoint(path: str | os.PathLike) -> None:

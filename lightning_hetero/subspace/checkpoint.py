@@ -17,18 +17,19 @@ Lightning.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
 from lightning_hetero import comm
+from lightning_hetero.core.checkpoint_dir import load_part, remove_checkpoint, write_part
 from lightning_hetero.subspace.pipeline import PipelineLayout
 
 __all__ = [
@@ -62,13 +63,8 @@ def stage_file(path: str | os.PathLike, stage: int) -> Path:
 
 
 def write_stage_file(path: str | os.PathLike, stage: int, state: Mapping[str, Any]) -> Path:
-    """Write ``state`` (torch.save) as ``stage``'s file in folder ``path`` (created); atomic via a temporary name."""
-    target = stage_file(path, stage)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + ".tmp")
-    torch.save(dict(state), temporary)
-    os.replace(temporary, target)
-    return target
+    """Write ``state`` as ``stage``'s file in folder ``path`` (created), atomically."""
+    return write_part(path, stage_file(path, stage).stem, state)
 
 
 def write_meta(path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
@@ -121,19 +117,12 @@ def _normalized(value: Any) -> Any:
 
 def load_stage_file(path: str | os.PathLike, stage: int, map_location: Any = "cpu") -> dict[str, Any]:
     """Load ``stage``'s file from checkpoint folder ``path``."""
-    target = stage_file(path, stage)
-    if not target.is_file():
-        raise FileNotFoundError(f"{target} is missing: the checkpoint at {path} has no file for stage {stage}.")
-    return torch.load(target, map_location=map_location, weights_only=False)
+    return load_part(path, stage_file(path, stage).stem, map_location=map_location)
 
 
 def remove_pipeline_checkpoint(path: str | os.PathLike) -> None:
     """Delete a checkpoint folder (or file) if it exists."""
-    target = Path(path)
-    if target.is_dir():
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
+    remove_checkpoint(path)
 
 
 def gather_stage_states(
@@ -155,9 +144,9 @@ def gather_stage_states(
     if layout.dp_rank_of(rank) != 0:
         return None
     if rank != 0:
-        buffer = io.BytesIO()
-        torch.save(dict(state), buffer)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+        # safetensors bytes: tensors only, nothing a receiver would unpickle.
+        encoded = save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()})
+        payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
         comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), 0, label=EXPORT_LABEL)
         comm.send(payload, 0, label=EXPORT_LABEL)
         return None
@@ -168,5 +157,5 @@ def gather_stage_states(
         comm.recv(size, src, label=EXPORT_LABEL)
         payload = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
         comm.recv(payload, src, label=EXPORT_LABEL)
-        states.append(torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False))
+        states.append(load_safetensors(payload.cpu().numpy().tobytes()))
     return states

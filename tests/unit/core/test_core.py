@@ -81,3 +81,27 @@ def test_parts_are_written_atomically_and_missing_parts_are_named(tmp_path):
 def test_json_gather_alone_round_trips():
     payload = {"error": None, "schema": {"layers": [1, 2]}}
     assert all_gather_json(payload, 1, torch.device("cpu")) == [payload]
+
+
+class _Exploit:
+    """Unpickling this would run ``marker.touch()``: what a crafted checkpoint does with weights_only=False."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_checkpoint_part_carrying_a_malicious_pickle_is_refused(tmp_path):
+    import pickle
+
+    marker = tmp_path / "owned"
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    torch.save({"state_dict": {}, "payload": _Exploit(str(marker))}, part_file(directory, "rank_00000"))
+    with pytest.raises(pickle.UnpicklingError):
+        load_part(directory, "rank_00000")
+    assert not marker.exists()  # nothing of it ran

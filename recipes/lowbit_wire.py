@@ -1,0 +1,94 @@
+"""Bytes per step of the ``sparseflip`` exchange next to a dense fp32 all-reduce, measured on spawned gloo ranks.
+
+Each of ``workers`` spawned CPU ranks builds the same model, converts it like the strategy does, and runs a few
+steps of the strategy's runtime (:class:`~lightning_hetero.lowbit.runtime.SparseFlipRuntime`) on its own batch; the
+ledger records every byte each rank puts on the wire and receives. The baseline is what DDP sends for the same model
+before conversion: one fp32 all-reduce of every parameter, run through the same counted collectives and measured
+the same way (the ledger uses the ring formula, 2 (n - 1) / n of the payload each way per rank). Used by
+``recipes/bench_lowbit.py``; framework-free apart from the model builders.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hetero import comm
+from lightning_hetero.testing import run_distributed
+
+
+def build_vit() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The ``vit-tiny`` image classifier of ``configs/sparseflip_vit_mnist.yaml`` (patch 7) and a random batch."""
+    from transformers import ViTForImageClassification
+
+    from lightning_hetero.models.presets import build_config
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(build_config("vit-tiny", {"patch_size": 7}))
+    x = torch.randn(64, 1, 28, 28)
+    return model, x, torch.randint(0, 10, (64,))
+
+
+def _worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[str, Any]:
+    from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+
+    model, x, y = build_vit()
+    dense_numel = sum(p.numel() for p in model.parameters())
+    ledger = comm.get_ledger()
+    before = ledger.totals(comm.INTER)
+    comm.all_reduce(torch.zeros(dense_numel), "sum", label=comm.INTER)  # what DDP moves for this model, once
+    after = ledger.totals(comm.INTER)
+    dense = {"sent": after.sent - before.sent, "received": after.received - before.received}
+    runtime = SparseFlipRuntime(**options)
+    runtime.setup(model, torch.device("cpu"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    sent, received = [], []
+    for _ in range(steps):
+        index = torch.randint(0, x.shape[0], (32,), generator=generator)
+        loss = nn.functional.cross_entropy(model(pixel_values=x[index]).logits, y[index])
+        loss.backward()
+        start = ledger.totals(comm.INTER)
+        runtime.sync_gradients()
+        end = ledger.totals(comm.INTER)
+        optimizer.step()
+        optimizer.zero_grad()
+        runtime.after_optimizer_step()
+        sent.append(end.sent - start.sent)
+        received.append(end.received - start.received)
+    fp = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "rank": rank,
+        "dense_fp32_allreduce": dense,
+        "sent_per_step": statistics.mean(sent),
+        "received_per_step": statistics.mean(received),
+        "codes": runtime.layout.numel if runtime.layout is not None else 0,
+        "fp_parameters": fp,
+        "dense_parameters": dense_numel,
+    }
+
+
+def measure(workers: int, options: dict[str, Any], steps: int = 4) -> dict[str, Any]:
+    """Per-rank bytes per step (mean over ``steps``) of the exchange and of the dense baseline, on ``workers`` ranks."""
+    ranks = run_distributed(_worker, workers, options, steps)
+    server = int(options.get("server", 0))
+    worst_sent = max(r["sent_per_step"] for r in ranks)
+    workers_only = [r for r in ranks if r["rank"] != server] or ranks
+    dense_sent = max(r["dense_fp32_allreduce"]["sent"] for r in ranks)
+    return {
+        "workers": workers,
+        "options": options,
+        "codes": ranks[0]["codes"],
+        "fp_parameters": ranks[0]["fp_parameters"],
+        "dense_parameters": ranks[0]["dense_parameters"],
+        "worker_sent_per_step": statistics.mean(r["sent_per_step"] for r in workers_only),
+        "worker_received_per_step": statistics.mean(r["received_per_step"] for r in workers_only),
+        "max_rank_sent_per_step": worst_sent,
+        "server_received_per_step": next((r["received_per_step"] for r in ranks if r["rank"] == server), None),
+        "dense_fp32_allreduce_sent_per_rank": dense_sent,
+        "bytes_ratio_vs_dense": dense_sent / max(worst_sent, 1.0),
+        "ranks": ranks,
+    }
