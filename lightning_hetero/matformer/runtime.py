@@ -131,7 +131,7 @@ class MatFormerRuntime(StrategyRuntime):
         self.local_widths: list[int] = []
         self.rank, self.world_size = 0, 1
         self.sliced = False
-        self.step_fn: Callable[[], int] = _step_zero
+        self.step_fn: Callable[[], int] = lambda: 0
         self._mask_handles: list[RemovableHandle] = []
         self._masks: dict[tuple[int, bool, int], Tensor] = {}
 
@@ -348,14 +348,14 @@ class MatFormerRuntime(StrategyRuntime):
                     comm.broadcast(params[spec.name].data, 0, label=INTER)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
-    def gather_exchange_state(self, device: torch.device) -> dict[str, Any] | None:
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
         """``mode="demo"``: every rank's error-feedback buffers, on rank 0 (collective; None elsewhere or off)."""
         if self.exchange is None:
             return None
         ranks = self.exchange.gather_state(device)
         return None if ranks is None else {"world_size": len(ranks), "ranks": ranks}
 
-    def load_exchange_state(self, entry: Mapping[str, Any] | None) -> None:
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
         """``mode="demo"``: restore this rank's buffers from a checkpoint entry (applied at setup if not set up yet).
 
         A checkpoint without the entry (saved in another mode) or from another world size resets them to zero, with
@@ -380,12 +380,6 @@ class MatFormerRuntime(StrategyRuntime):
         else:
             self.exchange.load_state_dict(state)
 
-    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
-        return self.gather_exchange_state(device)
-
-    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
-        self.load_exchange_state(entry)
-
     def slice_model_state(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """A full model state dict cut to this rank's widths (unchanged when this rank is not sliced)."""
         return slice_model_state(state, self.ffn_params, self.local_widths) if self.sliced else state
@@ -393,10 +387,3 @@ class MatFormerRuntime(StrategyRuntime):
     def slice_optimizer_state(self, state: Mapping[str, Any], optimizer: Optimizer, module: nn.Module) -> Any:
         """Rank 0's optimizer state cut to this rank's sliced parameters (unchanged when this rank is not sliced)."""
         return slice_optimizer_state(state, optimizer, module, self.ffn_params) if self.sliced else state
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _step_zero() -> int:
-    return 0
