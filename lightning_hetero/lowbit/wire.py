@@ -2,14 +2,25 @@
 
 Messages are flat ``uint8`` tensors, little-endian, no pickle (``n = count``)::
 
-    sparse list: count:u32 | indices | values        flip set: count:u32 | indices | direction bits
+    sparse list: count:u32 | index section | values        flip set: count:u32 | index section | direction bits
 
-Indices use ``index_bits(numel)`` bits: 12 or 16 (the :mod:`lightning_hetero.comm.codecs` layouts) when ``numel``
-fits, else 32 (4 bytes, low byte first). Values use a codec value encoding (``fp32``, ``bf16``, ``sign``, ``ternary``;
-the last two with one fp32 scale for the list). Direction bits: bit ``i % 8`` of byte ``i // 8`` set means ``-1``.
-An empty list is the 4-byte header ``0``. Decoders reject with a ValueError any wrong length, count above ``numel``,
-index out of range or not strictly increasing, non-canonical padding, invalid ternary code, NaN/Inf value or a
-negative / non-finite scale: nothing is ever applied silently.
+The index section depends on ``numel`` (and on ``count`` only through its length), so every size is an exact function
+of ``(count, numel, encoding)`` and a receiver can size a body from the 4-byte header alone:
+
+* ``numel <= 65536``: the indices at ``index_bits(numel)`` bits, 12 (``numel <= 4096``) or 16, in the
+  :mod:`lightning_hetero.comm.codecs` layouts.
+* ``numel > 65536``: the flat space is cut into ``B = ceil(numel / 65536)`` blocks of :data:`BLOCK` codes (the last
+  one possibly partial). The section is a block-count table, ``B`` counts of :data:`BLOCK_COUNT_BITS` (17) bits packed
+  LSB-first (bit ``j`` of count ``b`` is bit ``(17 b + j) % 8`` of byte ``(17 b + j) // 8``, zero-padded to a byte),
+  then each entry's offset inside its block as a u16, entries in ascending global order (index ``= 65536 b + offset``).
+  An empty list has no table: it is the 4-byte header ``0`` whatever ``numel``. So an index costs 16 bits plus
+  ``17 B / 8`` bytes per list (26 bytes for 786,432 codes), instead of 32 bits.
+
+Values use a codec value encoding (``fp32``, ``bf16``, ``sign``, ``ternary``; the last two with one fp32 scale for the
+list). Direction bits: bit ``i % 8`` of byte ``i // 8`` set means ``-1``. Decoders reject with a ValueError any wrong
+length, count above ``numel``, block count above its block's size or block counts not summing to ``count``, index out
+of range or not strictly increasing (within a block: offsets strictly increasing and inside the block), non-canonical
+padding, invalid ternary code, NaN/Inf value or a negative / non-finite scale: nothing is ever applied silently.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ import torch
 from lightning_hetero.comm import codecs
 
 __all__ = [
+    "BLOCK",
+    "BLOCK_COUNT_BITS",
     "HEADER_BYTES",
     "decode_flips",
     "decode_sparse",
@@ -26,24 +39,48 @@ __all__ = [
     "encode_sparse",
     "flip_message_nbytes",
     "index_bits",
+    "index_section_nbytes",
+    "num_blocks",
     "read_count",
     "sparse_message_nbytes",
 ]
 
 HEADER_BYTES = 4
+BLOCK = 65536
+"""Codes per block of the blocked index layout (``numel > BLOCK``); an offset inside a block fits a u16."""
+BLOCK_COUNT_BITS = 17
+"""Bits per entry of the block-count table: a count is in ``[0, BLOCK]``."""
 _MAX_NUMEL = 2**32 - 1
 
 
 # ------------------------------------------------------------------------------------------------- layouts
 def index_bits(numel: int) -> int:
-    """Bits per index for a flat space of ``numel`` codes: 12, 16 or 32."""
+    """Bits per index entry for a flat space of ``numel`` codes: 12 (``numel <= 4096``) or 16.
+
+    Above :data:`BLOCK` codes the 16 bits are an offset inside a block and the section also holds the block-count
+    table (see :func:`index_section_nbytes`).
+
+    Raises:
+        ValueError: ``numel`` outside ``[0, 2**32)``.
+    """
     if numel < 0 or numel > _MAX_NUMEL:
         raise ValueError(f"numel must be in [0, 2**32), got {numel}.")
-    return 12 if numel <= 4096 else 16 if numel <= 65536 else 32
+    return 12 if numel <= 4096 else 16
 
 
-def _index_nbytes(count: int, bits: int) -> int:
-    return 4 * count if bits == 32 else codecs.index_nbytes(count, bits)
+def num_blocks(numel: int) -> int:
+    """Blocks of the blocked index layout for ``numel`` codes: 0 when ``numel <= BLOCK`` (flat layout)."""
+    index_bits(numel)
+    return 0 if numel <= BLOCK else -(-numel // BLOCK)
+
+
+def _table_nbytes(count: int, numel: int) -> int:
+    return 0 if count == 0 else (num_blocks(numel) * BLOCK_COUNT_BITS + 7) // 8
+
+
+def index_section_nbytes(count: int, numel: int) -> int:
+    """Exact size in bytes of the index section of ``count`` entries (block-count table included)."""
+    return _table_nbytes(count, numel) + codecs.index_nbytes(count, index_bits(numel))
 
 
 def _value_nbytes(count: int, encoding: str) -> int:
@@ -51,13 +88,13 @@ def _value_nbytes(count: int, encoding: str) -> int:
 
 
 def sparse_message_nbytes(count: int, numel: int, encoding: str = "bf16") -> int:
-    """Exact size of an encoded sparse list of ``count`` entries."""
-    return HEADER_BYTES + _index_nbytes(count, index_bits(numel)) + _value_nbytes(count, encoding)
+    """Exact size of an encoded sparse list of ``count`` entries over ``numel`` codes."""
+    return HEADER_BYTES + index_section_nbytes(count, numel) + _value_nbytes(count, encoding)
 
 
 def flip_message_nbytes(count: int, numel: int) -> int:
-    """Exact size of an encoded flip set of ``count`` moves."""
-    return HEADER_BYTES + _index_nbytes(count, index_bits(numel)) + (count + 7) // 8
+    """Exact size of an encoded flip set of ``count`` moves over ``numel`` codes."""
+    return HEADER_BYTES + index_section_nbytes(count, numel) + (count + 7) // 8
 
 
 def _u32(value: int) -> torch.Tensor:
@@ -69,21 +106,64 @@ def read_count(data: torch.Tensor) -> int:
     return sum(int(b) << s for b, s in zip(data[:4].tolist(), (0, 8, 16, 24), strict=True))
 
 
-def _pack_idx(indices: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits != 32:
+def _pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative ``values`` (< ``2**width``) at ``width`` bits each, LSB-first, zero-padded to whole bytes."""
+    bits = ((values.reshape(-1).to(torch.int64)[:, None] >> torch.arange(width)) & 1).reshape(-1)
+    bits = torch.cat((bits, bits.new_zeros((-bits.numel()) % 8))).view(-1, 8)
+    return (bits << torch.arange(8)).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_bits(data: torch.Tensor, n: int, width: int, what: str) -> torch.Tensor:
+    """Inverse of :func:`_pack_bits` for ``n`` values; raises a ValueError if a padding bit is set."""
+    bits = ((data.reshape(-1).to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)
+    if bool((bits[n * width :] != 0).any()):
+        raise ValueError(f"{what}: non-zero padding bits.")
+    return (bits[: n * width].view(n, width) << torch.arange(width)).sum(dim=1)
+
+
+def _block_sizes(numel: int) -> torch.Tensor:
+    blocks = num_blocks(numel)
+    sizes = torch.full((blocks,), BLOCK, dtype=torch.int64)
+    if blocks:
+        sizes[-1] = numel - BLOCK * (blocks - 1)
+    return sizes
+
+
+def _pack_idx(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """Index section of validated ``indices`` (strictly increasing, in ``[0, numel)``)."""
+    bits = index_bits(numel)
+    if numel <= BLOCK or indices.numel() == 0:
         return codecs.pack_indices(indices, bits)
-    flat = indices.reshape(-1).to(torch.int64)
-    return torch.stack([(flat >> s) & 0xFF for s in (0, 8, 16, 24)], dim=1).reshape(-1).to(torch.uint8)
+    table = torch.bincount(indices >> 16, minlength=num_blocks(numel))
+    return torch.cat((_pack_bits(table, BLOCK_COUNT_BITS), codecs.pack_indices(indices & (BLOCK - 1), 16)))
 
 
-def _unpack_idx(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    if bits != 32:
-        indices = codecs.unpack_indices(data, count, bits)
-        if not torch.equal(codecs.pack_indices(indices, bits), data):
-            raise ValueError("non-canonical index encoding (padding bits set).")
-        return indices
-    words = data.to(torch.int64).view(-1, 4)
-    return words[:, 0] | (words[:, 1] << 8) | (words[:, 2] << 16) | (words[:, 3] << 24)
+def _unpack_idx(data: torch.Tensor, count: int, numel: int, what: str) -> torch.Tensor:
+    """Indices of an index section of ``index_section_nbytes(count, numel)`` bytes, block table validated.
+
+    The caller still checks the global order and range (:func:`_check_indices`): since an offset is < ``BLOCK``,
+    global indices are strictly increasing and ``< numel`` exactly when every block's offsets are strictly increasing
+    and inside the block.
+    """
+    bits = index_bits(numel)
+    split = _table_nbytes(count, numel)
+    if split:
+        table = _unpack_bits(data[:split], num_blocks(numel), BLOCK_COUNT_BITS, f"{what} block-count table")
+        sizes = _block_sizes(numel)
+        over = (table > sizes).nonzero().reshape(-1)
+        if over.numel():
+            b = int(over[0])
+            raise ValueError(f"{what}: block {b} holds {int(table[b])} entries, more than its {int(sizes[b])} codes.")
+        if int(table.sum()) != count:
+            raise ValueError(f"{what}: block counts sum to {int(table.sum())}, the header says {count}.")
+    body = data[split:]
+    indices = codecs.unpack_indices(body, count, bits)
+    if bits == 12 and not torch.equal(codecs.pack_indices(indices, bits), body):
+        raise ValueError(f"{what}: non-canonical index encoding (padding bits set).")
+    if split:
+        blocks = torch.repeat_interleave(torch.arange(table.numel(), dtype=torch.int64), table)
+        indices = blocks * BLOCK + indices
+    return indices
 
 
 def _check_bytes(data: torch.Tensor, what: str) -> torch.Tensor:
@@ -124,8 +204,7 @@ def encode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, encod
     _check_indices(indices, numel, "encode_sparse")
     if not bool(torch.isfinite(values).all()):
         raise ValueError("encode_sparse: values contain NaN or Inf.")
-    bits = index_bits(numel)
-    parts = [_u32(indices.numel()), _pack_idx(indices, bits), codecs.pack_values(values, encoding)]
+    parts = [_u32(indices.numel()), _pack_idx(indices, numel), codecs.pack_values(values, encoding)]
     return torch.cat(parts)
 
 
@@ -155,10 +234,10 @@ def decode_sparse(data: torch.Tensor, numel: int, encoding: str = "bf16") -> tup
     """
     encoding = codecs.validate_value_encoding(encoding)
     data = _check_bytes(data, "sparse message")
-    count, bits = read_count(data), index_bits(numel)
+    count = read_count(data)
     _check_length(data, count, numel, sparse_message_nbytes(count, numel, encoding), "sparse message")
-    split = HEADER_BYTES + _index_nbytes(count, bits)
-    indices = _unpack_idx(data[HEADER_BYTES:split], count, bits)
+    split = HEADER_BYTES + index_section_nbytes(count, numel)
+    indices = _unpack_idx(data[HEADER_BYTES:split], count, numel, "sparse message")
     _check_indices(indices, numel, "sparse message")
     raw = data[split:]
     if encoding in ("sign", "ternary") and count:
@@ -178,22 +257,17 @@ def encode_flips(indices: torch.Tensor, directions: torch.Tensor, numel: int) ->
     _check_indices(indices, numel, "encode_flips")
     if indices.numel() > numel or not bool((directions.abs() == 1).all()):
         raise ValueError("encode_flips: directions must be -1 or +1 and count <= numel.")
-    bits = (directions < 0).to(torch.int64)
-    pad = (-bits.numel()) % 8
-    bits = torch.cat((bits, bits.new_zeros(pad))).view(-1, 8)
-    body = (bits << torch.arange(8)).sum(dim=1).to(torch.uint8)
-    return torch.cat((_u32(indices.numel()), _pack_idx(indices, index_bits(numel)), body))
+    body = _pack_bits((directions < 0).to(torch.int64), 1)
+    return torch.cat((_u32(indices.numel()), _pack_idx(indices, numel), body))
 
 
 def decode_flips(data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode and validate :func:`encode_flips` bytes into ``(indices int64, directions int8)``."""
     data = _check_bytes(data, "flip message")
-    count, bits = read_count(data), index_bits(numel)
+    count = read_count(data)
     _check_length(data, count, numel, flip_message_nbytes(count, numel), "flip message")
-    split = HEADER_BYTES + _index_nbytes(count, bits)
-    indices = _unpack_idx(data[HEADER_BYTES:split], count, bits)
+    split = HEADER_BYTES + index_section_nbytes(count, numel)
+    indices = _unpack_idx(data[HEADER_BYTES:split], count, numel, "flip message")
     _check_indices(indices, numel, "flip message")
-    flags = ((data[split:].to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)
-    if bool((flags[count:] != 0).any()):
-        raise ValueError("flip message: non-zero padding bits.")
-    return indices, (1 - 2 * flags[:count]).to(torch.int8)
+    flags = _unpack_bits(data[split:], count, 1, "flip message")
+    return indices, (1 - 2 * flags).to(torch.int8)
