@@ -12,7 +12,7 @@ import fnmatch
 import sys
 from collections.abc import Iterable, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_hetero.lowbit.layers import (
     BinaryConv2d,
@@ -74,6 +74,8 @@ def convert_model(
     granularity: str = "layer",
     skip: Sequence[str] = DEFAULT_SKIP,
     include: Iterable[type | str] | None = None,
+    trainable_scale: bool = False,
+    zero_fraction: float | None = None,
 ) -> nn.Module:
     """Replace ``nn.Linear``, ``nn.Conv2d`` and HF ``Conv1D`` submodules by low-bit layers, in place.
 
@@ -88,6 +90,11 @@ def convert_model(
         skip: fnmatch patterns of module names to leave alone (the full dotted name or any component);
             the default skips heads, classifiers and embeddings.
         include: Layer types (classes or class names) to convert; default all of :data:`SUPPORTED_TYPES`.
+        trainable_scale: Flip mode only: make each layer's fp scale an ``nn.Parameter`` (trained by the user's fp
+            optimizer with the biases) instead of a buffer.
+        zero_fraction: Flip mode, ternary: initialise the codes with this share of zeros per scale group (the
+            ``zero_fraction`` quantile of ``|W|`` is cut to 0); None: absmean rounding (about 25% zeros for a uniform
+            init).
 
     Returns:
         ``module`` (or the converted layer when ``module`` itself is a supported layer).
@@ -98,16 +105,23 @@ def convert_model(
     validate_kind(kind)
     validate_mode(mode)
     validate_granularity(granularity)
+    if trainable_scale and mode != "flip":
+        raise ValueError("trainable_scale=True needs mode='flip'.")
     wanted = _resolve_include(include)
     conv1d = _conv1d_type() if "Conv1D" in wanted else None
 
+    def dense_args(weight: Tensor, bias: Tensor | None) -> tuple:
+        return weight, bias, kind, mode, granularity, trainable_scale, zero_fraction
+
     def replacement(child: nn.Module) -> nn.Module | None:
         if type(child) is nn.Linear and "Linear" in wanted:
-            return _LINEAR_CLASS[kind].from_dense(child.weight, child.bias, kind, mode, granularity)
+            return _LINEAR_CLASS[kind].from_dense(*dense_args(child.weight, child.bias))
         if conv1d is not None and type(child) is conv1d:
-            return _LINEAR_CLASS[kind].from_dense(child.weight.t(), child.bias, kind, mode, granularity)
+            return _LINEAR_CLASS[kind].from_dense(
+                child.weight.t(), child.bias, kind, mode, granularity, trainable_scale
+            )
         if type(child) is nn.Conv2d and "Conv2d" in wanted:
-            return _CONV_CLASS[kind].from_conv2d(child, kind, mode, granularity)
+            return _CONV_CLASS[kind].from_conv2d(child, kind, mode, granularity, trainable_scale, zero_fraction)
         return None
 
     root = replacement(module)

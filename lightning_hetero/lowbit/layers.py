@@ -9,6 +9,9 @@ Modes:
   pass stores ``dL/dcodes = scale * dL/dW`` (float32, accumulated over forward calls) in ``layer.code_grad``, the
   first-order loss change of moving each code by one step, where the flip optimizers of
   :mod:`lightning_hetero.lowbit.flip` find it. There is no fp master copy. Biases stay ordinary fp parameters.
+  With ``trainable_scale=True`` the scale is an ``nn.Parameter`` instead of a buffer (one number per layer or per
+  output row): it receives ``dL/dscale = sum(codes * dL/dW)`` and is trained by the user's fp optimizer together
+  with the biases, so magnitudes adapt while the codes flip.
 
 Layouts: the weight is stored output channel first (``(out, in)`` / ``(out, in/groups, kh, kw)``) whatever the source;
 HF GPT-2 ``Conv1D`` (weight ``(in, out)``, ``y = x @ W + b``) is converted to a :class:`LowBitLinear` holding the
@@ -67,35 +70,49 @@ class _LowBitWeight(nn.Module):
         granularity: str,
         device: Any = None,
         dtype: torch.dtype | None = None,
+        trainable_scale: bool = False,
     ) -> None:
         self.kind = validate_kind(kind)
         self.mode = validate_mode(mode)
         self.granularity = validate_granularity(granularity)
         self.weight_shape = tuple(shape)
         self.code_grad = None
+        self.trainable_scale = bool(trainable_scale)
+        if trainable_scale and mode != "flip":
+            raise ValueError("trainable_scale=True needs mode='flip' (an ste layer derives its scale from the weight).")
         if mode == "ste":
             self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         else:
             scale_shape = () if granularity == "layer" else (shape[0],) + (1,) * (len(shape) - 1)
             self.register_buffer("codes", torch.zeros(shape, dtype=torch.int8, device=device))
-            self.register_buffer("scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+            scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+            if trainable_scale:
+                self.scale = nn.Parameter(scale)
+            else:
+                self.register_buffer("scale", scale)
 
-    def load_dense_(self, weight: torch.Tensor) -> None:
-        """Set the weight from a dense fp tensor (output channel first): copied (ste) or quantized (flip)."""
+    def load_dense_(self, weight: torch.Tensor, zero_fraction: float | None = None) -> None:
+        """Set the weight from a dense fp tensor (output channel first): copied (ste) or quantized (flip).
+
+        Args:
+            weight: Dense weight, output channel first.
+            zero_fraction: Flip mode, ternary: share of zero codes per scale group (see
+                :func:`~lightning_hetero.lowbit.quant.ternary_quantize`); None: absmean rounding.
+        """
         if tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"weight shape {tuple(weight.shape)} does not match {self.weight_shape}.")
         with torch.no_grad():
             if self.mode == "ste":
                 self.weight.copy_(weight)
             else:
-                codes, scale = quantize(weight.float(), self.kind, self.granularity)
+                codes, scale = quantize(weight.float(), self.kind, self.granularity, zero_fraction=zero_fraction)
                 self.codes.copy_(codes)
                 self.scale.copy_(scale)
 
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes int8, scale fp32)`` of the weight the layer computes with (quantizes the latent one in ste)."""
         if self.mode == "flip":
-            return self.codes, self.scale
+            return self.codes, self.scale.detach()
         codes, scale = quantize(self.weight.float(), self.kind, self.granularity)
         return codes, scale.float()
 
@@ -111,7 +128,7 @@ class _LowBitWeight(nn.Module):
         return weight
 
     def _store_code_grad(self, grad: torch.Tensor) -> None:
-        code_grad = grad.float() * self.scale
+        code_grad = grad.float() * self.scale.detach()
         self.code_grad = code_grad if self.code_grad is None else self.code_grad + code_grad
 
     def zero_code_grad(self) -> None:
@@ -119,7 +136,8 @@ class _LowBitWeight(nn.Module):
         self.code_grad = None
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, mode={self.mode}, granularity={self.granularity}"
+        trainable = ", trainable_scale=True" if self.trainable_scale else ""
+        return f"kind={self.kind}, mode={self.mode}, granularity={self.granularity}{trainable}"
 
 
 class LowBitLinear(_LowBitWeight):
@@ -134,6 +152,7 @@ class LowBitLinear(_LowBitWeight):
         granularity: ``"layer"`` or ``"row"`` scales.
         device: Device of the new tensors.
         dtype: dtype of the latent weight and bias (the flip scale is always fp32).
+        trainable_scale: Flip mode only: hold the scale as an ``nn.Parameter`` trained by the fp optimizer.
     """
 
     def __init__(
@@ -146,10 +165,11 @@ class LowBitLinear(_LowBitWeight):
         granularity: str = "layer",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        trainable_scale: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self._init_weight((out_features, in_features), kind, mode, granularity, device, dtype)
+        self._init_weight((out_features, in_features), kind, mode, granularity, device, dtype, trainable_scale)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         dense = torch.empty(out_features, in_features, device=device)
         nn.init.kaiming_uniform_(dense, a=5**0.5)  # nn.Linear's default
@@ -157,9 +177,16 @@ class LowBitLinear(_LowBitWeight):
 
     @classmethod
     def from_dense(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, mode: str, granularity: str
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kind: str,
+        mode: str,
+        granularity: str,
+        trainable_scale: bool = False,
+        zero_fraction: float | None = None,
     ) -> LowBitLinear:
-        """A layer initialised from a dense ``(out, in)`` weight and optional bias."""
+        """A layer initialised from a dense ``(out, in)`` weight and optional bias (see :meth:`load_dense_`)."""
         layer = cls.__new__(cls)
         LowBitLinear.__init__(
             layer,
@@ -171,8 +198,9 @@ class LowBitLinear(_LowBitWeight):
             granularity,
             weight.device,
             weight.dtype,
+            trainable_scale,
         )
-        layer.load_dense_(weight.detach())
+        layer.load_dense_(weight.detach(), zero_fraction)
         if bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(bias)
@@ -203,6 +231,7 @@ class LowBitConv2d(_LowBitWeight):
         granularity: ``"layer"`` or ``"row"`` (per output channel) scales.
         device: Device of the new tensors.
         dtype: dtype of the latent weight and bias.
+        trainable_scale: Flip mode only: hold the scale as an ``nn.Parameter`` trained by the fp optimizer.
     """
 
     def __init__(
@@ -220,6 +249,7 @@ class LowBitConv2d(_LowBitWeight):
         granularity: str = "layer",
         device: Any = None,
         dtype: torch.dtype | None = None,
+        trainable_scale: bool = False,
     ) -> None:
         super().__init__()
         pair = nn.modules.utils._pair
@@ -227,15 +257,23 @@ class LowBitConv2d(_LowBitWeight):
         self.kernel_size, self.stride, self.dilation = pair(kernel_size), pair(stride), pair(dilation)
         self.padding = padding if isinstance(padding, str) else pair(padding)
         shape = (out_channels, in_channels // groups, *self.kernel_size)
-        self._init_weight(shape, kind, mode, granularity, device, dtype)
+        self._init_weight(shape, kind, mode, granularity, device, dtype, trainable_scale)
         self.bias = nn.Parameter(torch.zeros(out_channels, device=device, dtype=dtype)) if bias else None
         dense = torch.empty(shape, device=device)
         nn.init.kaiming_uniform_(dense, a=5**0.5)
         self.load_dense_(dense)
 
     @classmethod
-    def from_conv2d(cls, conv: nn.Conv2d, kind: str, mode: str, granularity: str) -> LowBitConv2d:
-        """A layer with the geometry and (quantized) weights of ``conv``."""
+    def from_conv2d(
+        cls,
+        conv: nn.Conv2d,
+        kind: str,
+        mode: str,
+        granularity: str,
+        trainable_scale: bool = False,
+        zero_fraction: float | None = None,
+    ) -> LowBitConv2d:
+        """A layer with the geometry and (quantized) weights of ``conv`` (see :meth:`load_dense_`)."""
         if conv.padding_mode != "zeros":
             raise ValueError(f"only padding_mode='zeros' is supported, got {conv.padding_mode!r}.")
         layer = cls.__new__(cls)
@@ -254,8 +292,9 @@ class LowBitConv2d(_LowBitWeight):
             granularity,
             conv.weight.device,
             conv.weight.dtype,
+            trainable_scale,
         )
-        layer.load_dense_(conv.weight.detach())
+        layer.load_dense_(conv.weight.detach(), zero_fraction)
         if conv.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(conv.bias)

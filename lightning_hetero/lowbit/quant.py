@@ -79,20 +79,40 @@ def compute_scale(weight: torch.Tensor, granularity: str = "layer", eps: float =
 
 
 def ternary_quantize(
-    weight: torch.Tensor, granularity: str = "layer", eps: float = _EPS
+    weight: torch.Tensor, granularity: str = "layer", eps: float = _EPS, zero_fraction: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmean ternary quantization: ``(codes int8 in {-1, 0, 1}, scale)`` with ``codes = clamp(round(W/s), -1, 1)``.
+
+    With ``zero_fraction`` the codes are instead ``sign(W)`` where ``|W|`` exceeds the ``zero_fraction`` quantile of
+    ``|W|`` in its group (layer or row) and 0 elsewhere, and the scale is the mean ``|W|`` of the kept entries (the
+    least-squares scale for those codes, as in ternary weight networks). Used to initialise flip-mode codes from a
+    standard init with a chosen share of zeros (absmean rounding of a uniform init gives about 25%).
 
     Args:
         weight: Weight tensor, output channel first.
         granularity: ``"layer"`` or ``"row"``.
         eps: Floor of the scale.
+        zero_fraction: Share of zeros per group, in [0, 1); None: absmean rounding.
 
     Returns:
         ``codes`` (int8, the shape of ``weight``) and ``scale`` (see :func:`compute_scale`).
     """
-    scale = compute_scale(weight, granularity, eps)
-    codes = torch.round(weight.detach() / scale).clamp_(-1, 1).to(torch.int8)
+    if zero_fraction is None:
+        scale = compute_scale(weight, granularity, eps)
+        codes = torch.round(weight.detach() / scale).clamp_(-1, 1).to(torch.int8)
+        return codes, scale
+    if not 0 <= zero_fraction < 1:
+        raise ValueError(f"zero_fraction must be in [0, 1) or None, got {zero_fraction!r}.")
+    granularity = validate_granularity(granularity)
+    magnitude = weight.detach().abs().float()
+    per_row = granularity == "row" and weight.dim() >= 2
+    groups = magnitude.reshape(magnitude.shape[0], -1) if per_row else magnitude.reshape(1, -1)
+    cut = torch.quantile(groups, zero_fraction, dim=1, keepdim=True) if zero_fraction > 0 else None
+    keep = groups > cut if cut is not None else torch.ones_like(groups, dtype=torch.bool)
+    kept = (groups * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
+    scale = kept.clamp(min=eps).to(weight.dtype)
+    scale = scale.reshape(-1, *([1] * (weight.dim() - 1))) if per_row else scale.reshape(())
+    codes = torch.where(keep.reshape(weight.shape), torch.where(weight.detach() < 0, -1, 1), 0).to(torch.int8)
     return codes, scale
 
 
@@ -115,11 +135,15 @@ def binary_quantize(
 
 
 def quantize(
-    weight: torch.Tensor, kind: str = "ternary", granularity: str = "layer", eps: float = _EPS
+    weight: torch.Tensor,
+    kind: str = "ternary",
+    granularity: str = "layer",
+    eps: float = _EPS,
+    zero_fraction: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch to :func:`ternary_quantize` or :func:`binary_quantize` by ``kind``."""
+    """Dispatch to :func:`ternary_quantize` (with ``zero_fraction``) or :func:`binary_quantize` by ``kind``."""
     if validate_kind(kind) == "ternary":
-        return ternary_quantize(weight, granularity, eps)
+        return ternary_quantize(weight, granularity, eps, zero_fraction)
     return binary_quantize(weight, granularity, eps)
 
 
