@@ -10,7 +10,19 @@
   the per-row fp scales.
 
 Every layer is converted (the first and the last too: nothing is skipped). The defaults of :class:`FlipSettings` are
-the best settings measured (see the module's report in the issue); the loop is deterministic given ``seed``.
+the best settings measured; the loop is deterministic given ``seed``. Test accuracy, 2,000 steps, batch 64, seeds 0/1
+(``train_classifier(model, dataset, method, steps=2000, seed=s)``, 2-60 s each on one CPU thread)::
+
+    dataset model  fp32       ste_ternary  flip_ternary  flip_binary
+    digits  mlp    .972/.975  .967/.970    .977/.975     .977/.972
+    digits  cnn    .980/.982  .982/.977    .982/.987     .980/.987
+    mnist   mlp    .951/.951  .937/.936    .960/.953     .953/.952
+    mnist   cnn    .981/.980  .978/ -      .984/.976     .982/.978
+
+Ablations (MNIST MLP, seed 0, flip_ternary). With the absmean init (25% zeros; defaults otherwise 0.953): fixed
+scales 0.892, no flip-rate decay 0.929, Bop without reset 0.947. With the default 50% zeros (0.960): AccumulatedFlip
+(lr 100, same scales / decay / init) 0.948 but 0.10 on the MNIST CNN (no per-layer normalization), int8 Bop state
+0.954. Trainable scales with no flips at all reach only 0.72 on digits: the flips do the learning.
 """
 
 from __future__ import annotations
