@@ -94,7 +94,7 @@ def load_dataset(name: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
     """``(x_train [N,1,H,W], y_train, x_test, y_test)`` standardized with the training mean/std; stratified split.
 
     Args:
-        name: ``"digits"`` (1,400 train / 397 test) or ``"mnist"`` (4,000 train / 1,000 test).
+        name: ``"digits"`` (1,402 train / 395 test) or ``"mnist"`` (4,000 train / 1,000 test).
         seed: Seeds the per-class permutation of the split.
     """
     if name not in _SOURCES:
