@@ -29,18 +29,18 @@ from lightning_hetero.core import (
     broadcast_module_state,
     process_rank_and_size,
 )
+from lightning_hetero.lowbit.arguments import FLIP_RULES, NONFINITE_POLICIES, check_arguments
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
 from lightning_hetero.lowbit.flip import CodeLayout
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
-from lightning_hetero.lowbit.sparse import EXCHANGE_MODES, SparseFlipExchange
+from lightning_hetero.lowbit.rules import BopRule, TopKRule
+from lightning_hetero.lowbit.sparse import SparseFlipExchange
 
-__all__ = ["CHECKPOINT_LABEL", "NONFINITE_POLICIES", "SparseFlipRuntime"]
+__all__ = ["CHECKPOINT_LABEL", "FLIP_RULES", "NONFINITE_POLICIES", "SparseFlipRuntime"]
 
 CHECKPOINT_LABEL = "checkpoint"
 """Ledger label of gathering the fp residuals into rank 0's checkpoint."""
-NONFINITE_POLICIES = ("raise", "skip")
-"""What a step with a non-finite code gradient does: raise on every rank, or skip the flips (and warn)."""
 
 
 class SparseFlipRuntime(StrategyRuntime):
@@ -49,8 +49,17 @@ class SparseFlipRuntime(StrategyRuntime):
     Args:
         kind: ``"ternary"`` ({-1, 0, +1}) or ``"binary"`` ({-1, +1}) weights.
         granularity: ``"row"`` (one fp scale per output channel) or ``"layer"``.
-        flips_per_step: Codes flipped per optimizer step (``k``); None: ``ceil(flip_fraction * codes)``.
-        flip_fraction: ``k`` as a fraction of all codes, when ``flips_per_step`` is None.
+        flip_rule: How the aggregate becomes flips: ``"bop"`` (a momentum per code on the deciding rank, a move when
+            it passes ``bop_threshold``; :class:`~lightning_hetero.lowbit.rules.BopRule`) or ``"topk"`` (the seed's
+            top-``k`` of the summed lists).
+        flips_per_step: At most this many flips per step (``k``); None: ``ceil(flip_fraction * codes)``.
+        flip_fraction: ``k`` as a fraction of all codes when ``flips_per_step`` is None. None: 0.001 for ``"topk"``,
+            no cap for ``"bop"``.
+        bop_gamma: Bop's momentum rate (cosine-decayed to ``bop_decay_to`` x over the run when the length is known).
+        bop_threshold: Bop's threshold, a fraction of each layer's rms gradient.
+        bop_decay_to: Final fraction of ``bop_gamma``.
+        trainable_scale: The per-row (or per-layer) fp scales are parameters, trained by your optimizer.
+        zero_fraction: Ternary initialization: this fraction of each row's smallest ``|W|`` starts at 0 (None: round).
         tau: Fixed threshold: a rank sends the entries with ``|g| > tau``. Exclusive with ``density``.
         density: A rank sends its ``ceil(density * codes)`` largest ``|g|`` (default 0.01 when ``tau`` is None).
         encoding: Values of the sent lists: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"``.
@@ -72,8 +81,14 @@ class SparseFlipRuntime(StrategyRuntime):
         self,
         kind: str = "ternary",
         granularity: str = "row",
+        flip_rule: str = "bop",
         flips_per_step: int | None = None,
-        flip_fraction: float = 1e-3,
+        flip_fraction: float | None = None,
+        bop_gamma: float = 0.03,
+        bop_threshold: float = 0.2,
+        bop_decay_to: float = 0.1,
+        trainable_scale: bool = True,
+        zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
         encoding: str = "bf16",
@@ -87,43 +102,34 @@ class SparseFlipRuntime(StrategyRuntime):
         owner: str = "SparseFlipStrategy",
     ) -> None:
         self.owner = owner
-        if kind not in ("ternary", "binary"):
-            raise ValueError(f"{owner}(kind={kind!r}): use 'ternary' or 'binary'.")
-        if granularity not in ("row", "layer"):
-            raise ValueError(f"{owner}(granularity={granularity!r}): use 'row' or 'layer'.")
-        if flips_per_step is not None and (
-            isinstance(flips_per_step, bool) or not isinstance(flips_per_step, int) or flips_per_step < 1
-        ):
-            raise ValueError(f"{owner}(flips_per_step={flips_per_step!r}): use an int >= 1, or None for a fraction.")
-        if not (isinstance(flip_fraction, (int, float)) and 0 < flip_fraction <= 1):
-            raise ValueError(f"{owner}(flip_fraction={flip_fraction!r}): use a number in (0, 1].")
-        if tau is not None and density is not None:
-            raise ValueError(f"{owner}: give tau (a fixed threshold) or density (a fraction sent), not both.")
-        if tau is not None and not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
-            raise ValueError(f"{owner}(tau={tau!r}): use a finite number >= 0.")
+        check_arguments(
+            owner,
+            kind=kind,
+            granularity=granularity,
+            flip_rule=flip_rule,
+            flips_per_step=flips_per_step,
+            flip_fraction=flip_fraction,
+            bop_gamma=bop_gamma,
+            bop_threshold=bop_threshold,
+            bop_decay_to=bop_decay_to,
+            zero_fraction=zero_fraction,
+            tau=tau,
+            density=density,
+            encoding=encoding,
+            aggregation=aggregation,
+            server=server,
+            drift_check_every=drift_check_every,
+            on_nonfinite=on_nonfinite,
+            fp_density=fp_density,
+        )
         density = 0.01 if tau is None and density is None else density
-        if density is not None and not (isinstance(density, (int, float)) and 0 < density <= 1):
-            raise ValueError(f"{owner}(density={density!r}): use a number in (0, 1].")
-        if aggregation not in EXCHANGE_MODES:
-            raise ValueError(f"{owner}(aggregation={aggregation!r}): use one of {list(EXCHANGE_MODES)}.")
-        if isinstance(server, bool) or not isinstance(server, int) or server < 0:
-            raise ValueError(f"{owner}(server={server!r}): use a global rank (int >= 0).")
-        if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
-            raise ValueError(f"{owner}(drift_check_every={drift_check_every!r}): use an int >= 0 (0 turns it off).")
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"{owner}(on_nonfinite={on_nonfinite!r}): use one of {list(NONFINITE_POLICIES)}.")
-        if fp_density is not None and not (isinstance(fp_density, (int, float)) and 0 < fp_density <= 1):
-            raise ValueError(
-                f"{owner}(fp_density={fp_density!r}): use a number in (0, 1], or None for a dense average."
-            )
-        from lightning_hetero.comm import codecs
-
-        try:
-            codecs.validate_value_encoding(encoding)
-        except ValueError as error:
-            raise ValueError(f"{owner}(encoding={encoding!r}): {error}") from None
         self.kind, self.granularity = kind, granularity
-        self.flips_per_step, self.flip_fraction = flips_per_step, float(flip_fraction)
+        self.flip_rule, self.flips_per_step, self.flip_fraction = flip_rule, flips_per_step, flip_fraction
+        self.bop_gamma, self.bop_threshold, self.bop_decay_to = bop_gamma, bop_threshold, bop_decay_to
+        self.trainable_scale, self.zero_fraction = bool(trainable_scale), zero_fraction
+        self.rule: TopKRule | BopRule | None = None
+        self.total_steps: int | None = None
+        """Optimizer steps of the whole run, when known (drives Bop's decay); the Trainer adapter sets it."""
         self.tau, self.density, self.encoding = tau, density, encoding
         self.aggregation, self.server = aggregation, server
         self.skip = tuple(DEFAULT_SKIP if skip is None else skip)
@@ -132,6 +138,7 @@ class SparseFlipRuntime(StrategyRuntime):
         self.fp_density = fp_density
         self.fp_sync: SparseGradientAverage | None = None
         self._pending_fp_state: dict[str, Any] | None = None
+        self._pending_rule_state: dict[str, Tensor] | None = None
         self.module: nn.Module | None = None
         self.layout: CodeLayout | None = None
         self.exchange: SparseFlipExchange | None = None
@@ -161,7 +168,14 @@ class SparseFlipRuntime(StrategyRuntime):
             raise RuntimeError(f"{self.owner} trains one model; setup was already called with another.")
         if not lowbit_layers(module, mode="flip"):
             convert_model(
-                module, kind=self.kind, mode="flip", granularity=self.granularity, skip=self.skip, include=self.include
+                module,
+                kind=self.kind,
+                mode="flip",
+                granularity=self.granularity,
+                skip=self.skip,
+                include=self.include,
+                trainable_scale=self.trainable_scale,
+                zero_fraction=self.zero_fraction if self.kind == "ternary" else None,
             )
         module.to(device)
         layout = CodeLayout(module)
@@ -170,7 +184,11 @@ class SparseFlipRuntime(StrategyRuntime):
                 f"{self.owner}: the model has no layer to convert (types {self.include or 'Linear/Conv2d/Conv1D'}, "
                 f"skipping {list(self.skip)}). Pass skip=[] or include=[...] to choose layers."
             )
-        self.k = self.flips_per_step or math.ceil(self.flip_fraction * layout.numel)
+        fraction = (
+            self.flip_fraction if self.flip_fraction is not None else (1e-3 if self.flip_rule == "topk" else None)
+        )
+        cap = self.flips_per_step or (math.ceil(fraction * layout.numel) if fraction is not None else None)
+        self.k = cap or layout.numel
         if self.k > layout.numel:
             raise ValueError(
                 f"{self.owner}(flips_per_step={self.k}): the model has only {layout.numel} codes; use at most that."
@@ -185,6 +203,14 @@ class SparseFlipRuntime(StrategyRuntime):
                 from lightning_hetero.flexdemo.topology import build_topology
 
                 self._drift_topology = build_topology(device, 1)  # every rank its own replica
+        self.rule = (
+            TopKRule(self.k)
+            if self.flip_rule == "topk"
+            else BopRule(layout.offsets, self.bop_gamma, self.bop_threshold, reset=0.0, cap=cap)
+        )
+        if self._pending_rule_state is not None:
+            self.rule.load_state_dict(self._pending_rule_state)
+            self._pending_rule_state = None
         self.exchange = SparseFlipExchange(
             layout.numel,
             self.k,
@@ -195,12 +221,16 @@ class SparseFlipRuntime(StrategyRuntime):
             server=self.server,
             label=comm.INTER,
             group=group,
+            rule=self.rule,
         )
         if self.fp_density is not None:
             numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
             self.fp_sync = SparseGradientAverage(numel, self.fp_density, self.encoding, comm.INTER, group)
-            if self._pending_fp_state is not None:
-                self.load_extra_checkpoint_state(self._pending_fp_state)
+            if self._pending_fp_state is not None and "residuals" in self._pending_fp_state:
+                rank, world_size = process_rank_and_size()
+                residuals = self._pending_fp_state["residuals"]
+                self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
+                self._pending_fp_state = None
         self.module, self.layout = module, layout
         return module
 
@@ -223,6 +253,8 @@ class SparseFlipRuntime(StrategyRuntime):
             warnings.warn(f"{message}; this step's flips are skipped.", RuntimeWarning, stacklevel=2)
             self._pending, self._metrics = None, {"lowbit/skipped_nonfinite": 1.0}
             return
+        if isinstance(self.rule, BopRule) and self.total_steps:
+            self.rule.set_progress(self.steps / self.total_steps, self.bop_decay_to)
         indices, directions = self.exchange.step(grad, self.layout.flat_codes().cpu())
         self._pending = (indices, directions)
         self._metrics = {
@@ -251,29 +283,47 @@ class SparseFlipRuntime(StrategyRuntime):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
-        """``fp_density``: every rank's error-feedback residual, gathered into rank 0's checkpoint (collective)."""
-        if self.fp_sync is None:
+        """The deciding rank's rule state (Bop momenta) and, with ``fp_density``, every rank's error-feedback
+        residual, for rank 0's checkpoint (collective)."""
+        if self.exchange is None:
             return None
-        residual = self.fp_sync.residual
-        _, world_size = process_rank_and_size()
-        if world_size == 1:
-            return {"residuals": [residual.clone()]}
-        gathered = torch.empty(world_size * residual.numel(), dtype=residual.dtype)
-        comm.all_gather_into_tensor(gathered, residual.contiguous(), label=CHECKPOINT_LABEL)
-        return {"residuals": list(gathered.view(world_size, -1).clone().unbind(0))}
+        rank, world_size = process_rank_and_size()
+        entry: dict[str, Any] = {"steps": self.steps, "rule": self._rule_state_on_rank_zero(world_size)}
+        if self.fp_sync is not None:
+            residual = self.fp_sync.residual
+            if world_size == 1:
+                entry["residuals"] = [residual.clone()]
+            else:
+                gathered = torch.empty(world_size * residual.numel(), dtype=residual.dtype)
+                comm.all_gather_into_tensor(gathered, residual.contiguous(), label=CHECKPOINT_LABEL)
+                entry["residuals"] = list(gathered.view(world_size, -1).clone().unbind(0))
+        return entry
+
+    def _rule_state_on_rank_zero(self, world_size: int) -> dict[str, Tensor]:
+        state = self.rule.state_dict() if self.rule is not None else {}
+        decider = self.server if self.aggregation == "server" else 0
+        if world_size == 1 or decider == 0:
+            return state
+        for value in state.values():  # only the server's momenta are current: hand them to rank 0
+            comm.broadcast(value, decider, label=CHECKPOINT_LABEL)
+        return state
 
     def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
-        """Restore this rank's residual (applied at setup when the exchange does not exist yet)."""
-        if self.fp_density is None or entry is None:
+        """Restore the rule state and this rank's residual (applied at setup when nothing exists yet)."""
+        if entry is None:
             return
-        if self.fp_sync is None:
+        self.steps = int(entry.get("steps", self.steps))
+        if self.exchange is None:
+            self._pending_rule_state = entry.get("rule")
             self._pending_fp_state = dict(entry)
             return
-        rank, world_size = process_rank_and_size()
-        residuals = entry.get("residuals", [])
-        state = {"residual": residuals[rank]} if len(residuals) == world_size else {}
-        self.fp_sync.load_state_dict(state)
-        self._pending_fp_state = None
+        if entry.get("rule") is not None and self.rule is not None:
+            self.rule.load_state_dict(entry["rule"])
+        if self.fp_sync is not None:
+            rank, world_size = process_rank_and_size()
+            residuals = entry.get("residuals", [])
+            self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
+            self._pending_fp_state = None
 
     def after_optimizer_step(self) -> dict[str, float]:
         """Apply the step's flips, clear the code gradients, run the drift guard when due; returns the metrics."""

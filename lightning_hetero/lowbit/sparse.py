@@ -23,7 +23,7 @@ header then its body; the all-gather mode all-gathers the headers then the bodie
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -171,6 +171,8 @@ class SparseFlipExchange:
         label: Ledger label of the traffic.
         group: Process group (default WORLD).
         ledger: Ledger to record into (default: the process-global one).
+        rule: ``rule(mean_gradient, codes) -> (indices, directions)`` deciding the flips (e.g.
+            :class:`~lightning_hetero.lowbit.rules.BopRule`); None: the top-``k`` of the summed lists.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class SparseFlipExchange:
         label: str = comm.INTER,
         group: Any | None = None,
         ledger: comm.ByteLedger | None = None,
+        rule: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         if mode not in EXCHANGE_MODES:
             raise ValueError(f"mode must be one of {list(EXCHANGE_MODES)}, got {mode!r}.")
@@ -194,6 +197,7 @@ class SparseFlipExchange:
         self.numel, self.k, self.tau, self.density = numel, k, tau, density
         self.encoding = codecs.validate_value_encoding(encoding)
         self.mode, self.server, self.label, self.group, self.ledger = mode, server, label, group, ledger
+        self.rule = rule
         self.last_message_nbytes: list[int] = []
         self.last_flips_nbytes = 0
         self.last_bytes: tuple[int, int] = (0, 0)
@@ -203,6 +207,17 @@ class SparseFlipExchange:
         if not (dist.is_available() and dist.is_initialized()):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _decide(
+        self, lists: Sequence[tuple[torch.Tensor, torch.Tensor]], codes: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flip set from the decoded lists: top-k of the sum, or ``rule(sum / n, codes)``."""
+        if self.rule is None:
+            return aggregate_flips(lists, codes, self.k)
+        dense = torch.zeros(self.numel, dtype=torch.float32)
+        for indices, values in lists:
+            dense.index_add_(0, indices.cpu(), values.cpu().float())
+        return self.rule(dense / n, codes.reshape(-1).cpu())
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -225,7 +240,7 @@ class SparseFlipExchange:
             messages = self._all_gather(message, n, kwargs) if n > 1 else [message]
             self.last_message_nbytes = [m.numel() for m in messages]
             lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
-            flips = encode_flips(*aggregate_flips(lists, codes, self.k), self.numel)
+            flips = encode_flips(*self._decide(lists, codes, n), self.numel)
             self.last_bytes = exchange_bytes(self.last_message_nbytes, flips.numel(), "allgather")[rank]
         else:
             self.last_message_nbytes = [message.numel()]
@@ -268,7 +283,7 @@ class SparseFlipExchange:
                 messages.append(torch.cat((header, body)))
             self.last_message_nbytes = [m.numel() for m in messages]
             lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
-            flips = encode_flips(*aggregate_flips(lists, codes, self.k), self.numel)
+            flips = encode_flips(*self._decide(lists, codes, n), self.numel)
         header = flips[:HEADER_BYTES].clone() if rank == self.server else torch.empty(HEADER_BYTES, dtype=torch.uint8)
         comm.broadcast(header, server, **kwargs)
         size = flip_message_nbytes(read_count(header), self.numel) if read_count(header) <= self.numel else -1

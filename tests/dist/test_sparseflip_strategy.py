@@ -40,6 +40,7 @@ class Recorder(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.checkpoint is not None and trainer.global_step == 4:
             trainer.save_checkpoint(self.checkpoint)
+            trainer.should_stop = True  # an interrupted 8-step run: its schedules (Bop's decay) are the full run's
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         record = {
@@ -88,7 +89,7 @@ def test_replicas_identical_and_server_equals_allgather(tmp_path):
 def test_resume_mid_run_is_bit_identical(tmp_path, fp_density):
     """Dense fp average, and sparse fp lists whose error-feedback residuals travel in rank 0's checkpoint."""
     full = _fit(tmp_path / "full", 8, fp_density=fp_density)
-    _fit(tmp_path / "first", 4, checkpoint=tmp_path / "step4.ckpt", fp_density=fp_density)
+    _fit(tmp_path / "first", 8, checkpoint=tmp_path / "step4.ckpt", fp_density=fp_density)
     resumed = _fit(tmp_path / "resumed", 8, ckpt_path=tmp_path / "step4.ckpt", fp_density=fp_density)
     if fp_density is not None:
         saved = torch.load(tmp_path / "step4.ckpt", weights_only=False)["sparseflip"]["residuals"]

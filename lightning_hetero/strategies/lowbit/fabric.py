@@ -32,7 +32,8 @@ class SparseFlipStrategy(FabricStrategyBase):
     """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks.
 
     Arguments as in the Trainer's :class:`lightning_hetero.SparseFlipStrategy` (``kind``, ``granularity``,
-    ``flips_per_step``, ``flip_fraction``, ``tau`` or ``density``, ``encoding``, ``aggregation``, ``server``,
+    ``flip_rule``, ``flips_per_step``, ``flip_fraction``, ``bop_*``, ``trainable_scale``, ``zero_fraction``, ``tau``
+    or ``density``, ``encoding``, ``aggregation``, ``server``,
     ``skip``, ``include``, ``drift_check_every``, ``on_nonfinite``, ``fp_density``), plus Fabric's (``**kwargs``; see
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
@@ -43,8 +44,14 @@ class SparseFlipStrategy(FabricStrategyBase):
         self,
         kind: str = "ternary",
         granularity: str = "row",
+        flip_rule: str = "bop",
         flips_per_step: int | None = None,
-        flip_fraction: float = 1e-3,
+        flip_fraction: float | None = None,
+        bop_gamma: float = 0.03,
+        bop_threshold: float = 0.2,
+        bop_decay_to: float = 0.1,
+        trainable_scale: bool = True,
+        zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
         encoding: str = "bf16",
@@ -60,6 +67,10 @@ class SparseFlipStrategy(FabricStrategyBase):
         super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)
         self.last_metrics: dict[str, float] = {}
         """The ``lowbit/*`` and ``comm/*`` metrics of the last optimizer step."""
+
+    def set_total_steps(self, steps: int) -> None:
+        """Tell the strategy how many optimizer steps the run has, so Bop's ``gamma`` decays over them."""
+        self.runtime.total_steps = int(steps)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -33,8 +33,16 @@ class SparseFlipStrategy(TrainerStrategyBase):
     Args:
         kind: ``"ternary"`` or ``"binary"``.
         granularity: ``"row"`` (a scale per output channel) or ``"layer"``.
-        flips_per_step: Codes flipped per step (``k``); None: ``ceil(flip_fraction * codes)``.
-        flip_fraction: ``k`` as a fraction of the codes when ``flips_per_step`` is None.
+        flip_rule: ``"bop"`` (a momentum per code, a move past ``bop_threshold``; the measured best) or ``"topk"``
+            (the seed's top-``k`` of the summed lists).
+        flips_per_step: At most this many flips per step (``k``); None: ``ceil(flip_fraction * codes)``.
+        flip_fraction: ``k`` as a fraction of the codes. None: 0.001 for ``"topk"``, no cap for ``"bop"``.
+        bop_gamma: Bop's momentum rate, cosine-decayed to ``bop_decay_to`` x over the run (Trainer: from
+            ``estimated_stepping_batches``).
+        bop_threshold: Bop's threshold, a fraction of each layer's rms gradient.
+        bop_decay_to: Final fraction of ``bop_gamma``.
+        trainable_scale: The fp scales are parameters trained by your optimizer (with biases, norms, ...).
+        zero_fraction: Ternary start: this fraction of each row's smallest weights begins at 0 (None: rounding).
         tau: Fixed send threshold on ``|g|``; exclusive with ``density``.
         density: Fraction of the codes each rank sends (default 0.01 when ``tau`` is None).
         encoding: Sent values: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"``.
@@ -57,8 +65,14 @@ class SparseFlipStrategy(TrainerStrategyBase):
         self,
         kind: str = "ternary",
         granularity: str = "row",
+        flip_rule: str = "bop",
         flips_per_step: int | None = None,
-        flip_fraction: float = 1e-3,
+        flip_fraction: float | None = None,
+        bop_gamma: float = 0.03,
+        bop_threshold: float = 0.2,
+        bop_decay_to: float = 0.1,
+        trainable_scale: bool = True,
+        zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
         encoding: str = "bf16",
@@ -80,6 +94,14 @@ class SparseFlipStrategy(TrainerStrategyBase):
         assert self.lightning_module is not None
         self.runtime.setup(self.lightning_module, self.root_device)  # before optimizers, precision and restore
         super().setup(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        total = getattr(trainer, "estimated_stepping_batches", None)
+        if isinstance(total, (int, float)) and total > 0 and total != float("inf"):
+            self.runtime.total_steps = int(total)  # Bop's gamma decays over the run
 
     @override
     def configure_ddp(self) -> None:

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,6 +57,11 @@ def _loader() -> DataLoader:
         ({"encoding": "fp8"}, "encoding="),
         ({"on_nonfinite": "ignore"}, "on_nonfinite="),
         ({"drift_check_every": -1}, "drift_check_every="),
+        ({"flip_rule": "vote"}, "flip_rule="),
+        ({"bop_gamma": 0.0}, "bop_gamma="),
+        ({"bop_threshold": -1.0}, "bop_threshold="),
+        ({"zero_fraction": 1.0}, "zero_fraction="),
+        ({"fp_density": 0.0}, "fp_density="),
     ],
 )
 def test_bad_arguments_fail_at_construction(cls, kwargs, match):
@@ -76,23 +82,34 @@ def test_more_flips_than_codes_fails_at_setup():
         trainer.fit(DigitsMLP(), _loader())
 
 
-def test_single_process_fit_flips_codes_and_checkpoints_them(tmp_path):
+class _Flips(Callback):
+    def __init__(self) -> None:
+        self.flips: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.flips.append(float(trainer.callback_metrics["lowbit/flips"]))
+
+
+@pytest.mark.parametrize("rule", ["bop", "topk"])
+def test_single_process_fit_flips_codes_and_checkpoints_them(tmp_path, rule):
     module = DigitsMLP()
+    flips = _Flips()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SparseFlipStrategy(flips_per_step=8, density=0.5),
+        strategy=SparseFlipStrategy(flip_rule=rule, flips_per_step=8, density=0.5),
         max_steps=12,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[flips],
     )
     trainer.fit(module, _loader())
     layers = lowbit_layers(module, mode="flip")
     assert [name for name, _ in layers] == ["net.0", "net.2"]
     assert not any(isinstance(m, nn.Linear) and type(m) is nn.Linear for m in module.modules())
-    assert trainer.callback_metrics["lowbit/flips"] > 0
+    assert sum(flips.flips) > 0 and max(flips.flips) <= 8  # k caps the flips of either rule
     trainer.save_checkpoint(tmp_path / "flip.ckpt")
     state = torch.load(tmp_path / "flip.ckpt", weights_only=False)["state_dict"]
     assert state["net.0.codes"].dtype == torch.int8 and set(state["net.0.codes"].unique().tolist()) <= {-1, 0, 1}

@@ -1,0 +1,113 @@
+"""How the aggregated code gradient becomes the common flip set of the ``sparseflip`` exchange.
+
+Both rules see the same input on whichever rank decides (the parameter server, or every rank in all-gather mode):
+``mean`` = the rank-order sum of the decoded sparse lists divided by the number of ranks (zero where nobody sent),
+and the current flat codes. They return ``(indices ascending, directions in {-1, +1})`` of allowed moves only.
+
+- :class:`TopKRule` (the seed's rule): the ``k`` allowed moves of largest ``|mean|``.
+- :class:`BopRule`: Bop (Helwegen et al. 2019) on the aggregate, as :class:`~lightning_hetero.lowbit.bop.BopFlip` does
+  on a dense gradient: per layer, the sent entries are divided by their rms, an fp16 moving average
+  ``m = (1 - gamma) m + gamma g'`` is kept per code, a code moves one step against ``m`` when ``|m| > threshold``
+  (at most ``cap`` moves, the largest ``|m|`` first), and the momentum of a code that moves is multiplied by
+  ``reset``. Entries nobody sent count as zero gradient (their momentum decays). The normalization uses only the sent
+  entries, so a sparse step has the same scale as a dense one; with every entry sent it equals ``BopFlip``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_hetero.lowbit.flip import move_allowed, topk_moves
+
+__all__ = ["BopRule", "TopKRule"]
+
+
+class TopKRule:
+    """The ``k`` allowed moves of largest ``|mean|`` (ties to the lower index)."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}.")
+        self.k = k
+
+    def __call__(self, mean: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk_moves(mean, codes, self.k)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class BopRule:
+    """Bop on the aggregated sparse gradient, with one fp16 momentum per code on the deciding rank.
+
+    Args:
+        offsets: Layer boundaries in the flat layout (``CodeLayout.offsets``: ``[0, n_0, n_0 + n_1, ...]``).
+        gamma: EMA rate in (0, 1] (scaled by :attr:`gamma_scale`, e.g. for a decay schedule).
+        threshold: ``|m|`` above which a code moves, as a fraction of the layer's rms gradient.
+        reset: Factor applied to the momentum of a code that moved, in [0, 1].
+        cap: At most this many moves per step (the largest ``|m|``); None: no cap.
+    """
+
+    def __init__(
+        self, offsets: Sequence[int], gamma: float, threshold: float, reset: float = 0.0, cap: int | None = None
+    ) -> None:
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
+        if not threshold > 0:
+            raise ValueError(f"threshold must be > 0, got {threshold}.")
+        if not 0 <= reset <= 1:
+            raise ValueError(f"reset must be in [0, 1], got {reset}.")
+        if cap is not None and cap < 1:
+            raise ValueError(f"cap must be >= 1 or None, got {cap}.")
+        self.offsets = list(offsets)
+        self.gamma, self.threshold, self.reset, self.cap = gamma, threshold, reset, cap
+        self.gamma_scale = 1.0
+        """Multiplies ``gamma`` (the strategy sets it from a cosine decay over the run)."""
+        self.momentum = torch.zeros(self.offsets[-1], dtype=torch.float16)
+
+    def __call__(self, mean: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, codes = mean.reshape(-1).float().cpu(), codes.reshape(-1).cpu()
+        normalized = torch.zeros_like(mean)
+        for lo, hi in zip(self.offsets[:-1], self.offsets[1:], strict=True):
+            part = mean[lo:hi]
+            sent = part != 0
+            if bool(sent.any()):
+                rms = part[sent].pow(2).mean().sqrt().clamp(min=1e-30)
+                normalized[lo:hi] = part / rms
+        gamma = self.gamma * self.gamma_scale
+        m = ((1.0 - gamma) * self.momentum.float() + gamma * normalized).to(torch.float16).float()
+        direction = torch.where(m.abs() > self.threshold, -torch.sign(m), torch.zeros_like(m)).to(torch.int8)
+        allowed = move_allowed(codes, direction) & (direction != 0)
+        if self.cap is not None and int(allowed.sum()) > self.cap:
+            score = torch.where(allowed, m.abs(), torch.zeros_like(m))
+            order = torch.argsort(score, descending=True, stable=True)[: self.cap]
+            allowed = torch.zeros_like(allowed)
+            allowed[order] = True
+        indices = allowed.nonzero().reshape(-1)
+        if self.reset != 1.0:
+            m[indices] = m[indices] * self.reset
+        self.momentum = m.to(torch.float16)
+        return indices, direction[indices]
+
+    def set_progress(self, fraction: float, decay_to: float) -> None:
+        """Cosine decay of ``gamma`` from 1x to ``decay_to`` x as the run goes from 0 to 1."""
+        fraction = min(max(fraction, 0.0), 1.0)
+        self.gamma_scale = decay_to + (1.0 - decay_to) * 0.5 * (1.0 + math.cos(math.pi * fraction))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        momentum = state.get("momentum")
+        if momentum is None or momentum.numel() != self.momentum.numel():
+            raise ValueError(
+                f"BopRule: the checkpoint holds {0 if momentum is None else momentum.numel()} momenta, this layout "
+                f"has {self.momentum.numel()} codes."
+            )
+        self.momentum = momentum.detach().to(torch.float16).cpu().clone()
