@@ -10,7 +10,7 @@ from lightning_hetero.lowbit.sparse import EXCHANGE_MODES
 
 __all__ = ["FLIP_RULES", "NONFINITE_POLICIES", "check_arguments"]
 
-FLIP_RULES = ("bop", "topk")
+FLIP_RULES = ("local_bop", "bop", "topk")
 """How the aggregated code gradient becomes flips (see :mod:`lightning_hetero.lowbit.rules`)."""
 NONFINITE_POLICIES = ("raise", "skip")
 """What a step with a non-finite code gradient does: raise on every rank, or skip the flips (and warn)."""

@@ -5,6 +5,11 @@ Both rules see the same input on whichever rank decides (the parameter server, o
 and the current flat codes. They return ``(indices ascending, directions in {-1, +1})`` of allowed moves only.
 
 - :class:`TopKRule` (the seed's rule): the ``k`` allowed moves of largest ``|mean|``.
+- :class:`ThresholdRule` with :class:`LocalBop` (``flip_rule="local_bop"``, the default): every rank keeps Bop's
+  momentum of its own dense, rms-normalized code gradient and sends only the momenta past ``send_fraction *
+  threshold``; the decider moves the codes whose mean momentum over the ranks passes ``threshold``, and every rank
+  resets the momentum of the codes that moved. The momentum is the memory, so nothing a rank does not send is lost,
+  and with one rank it is exactly :class:`~lightning_hetero.lowbit.bop.BopFlip`.
 - :class:`BopRule`: Bop (Helwegen et al. 2019) on the aggregate, as :class:`~lightning_hetero.lowbit.bop.BopFlip` does
   on a dense gradient: per layer, the sent entries are divided by their rms, an fp16 moving average
   ``m = (1 - gamma) m + gamma g'`` is kept per code, a code moves one step against ``m`` when ``|m| > threshold``
@@ -22,7 +27,7 @@ import torch
 
 from lightning_hetero.lowbit.flip import move_allowed, topk_moves
 
-__all__ = ["BopRule", "TopKRule"]
+__all__ = ["BopRule", "LocalBop", "ThresholdRule", "TopKRule"]
 
 
 class TopKRule:
@@ -110,4 +115,75 @@ class BopRule:
                 f"BopRule: the checkpoint holds {0 if momentum is None else momentum.numel()} momenta, this layout "
                 f"has {self.momentum.numel()} codes."
             )
+        self.momentum = momentum.detach().to(torch.float16).cpu().clone()
+
+
+class ThresholdRule:
+    """Move the codes whose mean (over ranks) momentum passes ``threshold``, against its sign; at most ``cap``."""
+
+    def __init__(self, threshold: float, cap: int | None = None) -> None:
+        if not threshold > 0:
+            raise ValueError(f"threshold must be > 0, got {threshold}.")
+        self.threshold, self.cap = threshold, cap
+
+    def __call__(self, mean: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, codes = mean.reshape(-1).float().cpu(), codes.reshape(-1).cpu()
+        direction = torch.where(mean.abs() > self.threshold, -torch.sign(mean), torch.zeros_like(mean)).to(torch.int8)
+        allowed = move_allowed(codes, direction) & (direction != 0)
+        if self.cap is not None and int(allowed.sum()) > self.cap:
+            score = torch.where(allowed, mean.abs(), torch.zeros_like(mean))
+            order = torch.argsort(score, descending=True, stable=True)[: self.cap]
+            allowed = torch.zeros_like(allowed)
+            allowed[order] = True
+        indices = allowed.nonzero().reshape(-1)
+        return indices, direction[indices]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class LocalBop:
+    """One rank's Bop momentum over the flat codes: ``m = (1 - gamma) m + gamma g / rms_layer(g)``, fp16.
+
+    Args:
+        offsets: Layer boundaries in the flat layout.
+        gamma: EMA rate in (0, 1] (times :attr:`gamma_scale`).
+    """
+
+    def __init__(self, offsets: Sequence[int], gamma: float) -> None:
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
+        self.offsets, self.gamma, self.gamma_scale = list(offsets), gamma, 1.0
+        self.momentum = torch.zeros(self.offsets[-1], dtype=torch.float16)
+
+    def update(self, grad: torch.Tensor) -> torch.Tensor:
+        """Fold this rank's dense code gradient in; returns the new momentum (float32)."""
+        grad = grad.reshape(-1).float().cpu()
+        normalized = torch.empty_like(grad)
+        for lo, hi in zip(self.offsets[:-1], self.offsets[1:], strict=True):
+            part = grad[lo:hi]
+            normalized[lo:hi] = part / part.pow(2).mean().sqrt().clamp(min=1e-30)
+        gamma = self.gamma * self.gamma_scale
+        self.momentum = ((1.0 - gamma) * self.momentum.float() + gamma * normalized).to(torch.float16)
+        return self.momentum.float()
+
+    def reset(self, indices: torch.Tensor) -> None:
+        """The codes at ``indices`` moved: start their momentum over."""
+        self.momentum[indices.cpu()] = 0
+
+    def set_progress(self, fraction: float, decay_to: float) -> None:
+        """Cosine decay of ``gamma`` from 1x to ``decay_to`` x as the run goes from 0 to 1."""
+        fraction = min(max(fraction, 0.0), 1.0)
+        self.gamma_scale = decay_to + (1.0 - decay_to) * 0.5 * (1.0 + math.cos(math.pi * fraction))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        momentum = state["momentum"]
+        if momentum.numel() != self.momentum.numel():
+            raise ValueError(f"LocalBop: {momentum.numel()} momenta in the checkpoint, {self.momentum.numel()} codes.")
         self.momentum = momentum.detach().to(torch.float16).cpu().clone()

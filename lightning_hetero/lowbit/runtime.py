@@ -31,10 +31,10 @@ from lightning_hetero.core import (
 )
 from lightning_hetero.lowbit.arguments import FLIP_RULES, NONFINITE_POLICIES, check_arguments
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
-from lightning_hetero.lowbit.flip import CodeLayout
+from lightning_hetero.lowbit.flip import CodeLayout, move_allowed
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
-from lightning_hetero.lowbit.rules import BopRule, TopKRule
+from lightning_hetero.lowbit.rules import BopRule, LocalBop, ThresholdRule, TopKRule
 from lightning_hetero.lowbit.sparse import SparseFlipExchange
 
 __all__ = ["CHECKPOINT_LABEL", "FLIP_RULES", "NONFINITE_POLICIES", "SparseFlipRuntime"]
@@ -49,9 +49,12 @@ class SparseFlipRuntime(StrategyRuntime):
     Args:
         kind: ``"ternary"`` ({-1, 0, +1}) or ``"binary"`` ({-1, +1}) weights.
         granularity: ``"row"`` (one fp scale per output channel) or ``"layer"``.
-        flip_rule: How the aggregate becomes flips: ``"bop"`` (a momentum per code on the deciding rank, a move when
-            it passes ``bop_threshold``; :class:`~lightning_hetero.lowbit.rules.BopRule`) or ``"topk"`` (the seed's
-            top-``k`` of the summed lists).
+        flip_rule: How gradients become flips (:mod:`lightning_hetero.lowbit.rules`): ``"local_bop"`` (every rank
+            keeps Bop's momentum of its own gradient and sends the momenta past ``send_fraction * bop_threshold``;
+            codes whose mean momentum passes ``bop_threshold`` move), ``"bop"`` (Bop on the deciding rank over the
+            aggregated sparse gradients) or ``"topk"`` (the seed's top-``k`` of the summed lists).
+        send_fraction: ``"local_bop"``: a rank sends the momenta above this fraction of ``bop_threshold`` (when
+            neither ``tau`` nor ``density`` is given).
         flips_per_step: At most this many flips per step (``k``); None: ``ceil(flip_fraction * codes)``.
         flip_fraction: ``k`` as a fraction of all codes when ``flips_per_step`` is None. None: 0.001 for ``"topk"``,
             no cap for ``"bop"``.
@@ -61,14 +64,18 @@ class SparseFlipRuntime(StrategyRuntime):
         trainable_scale: The per-row (or per-layer) fp scales are parameters, trained by your optimizer.
         zero_fraction: Ternary initialization: this fraction of each row's smallest ``|W|`` starts at 0 (None: round).
         tau: Fixed threshold: a rank sends the entries with ``|g| > tau``. Exclusive with ``density``.
-        density: A rank sends its ``ceil(density * codes)`` largest ``|g|`` (default 0.01 when ``tau`` is None).
-        encoding: Values of the sent lists: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"``.
+        density: A rank sends its ``ceil(density * codes)`` largest ``|g|`` (default 0.01 when ``tau`` is None, except
+            with ``"local_bop"``, where the default is ``tau = send_fraction * bop_threshold`` on the momenta).
+        encoding: Values of the sent lists: ``"sign"`` (1 bit and one fp32 scale per message), ``"ternary"``,
+            ``"bf16"`` or ``"fp32"``.
         aggregation: ``"server"`` (lists go to one rank, which broadcasts the flips) or ``"allgather"``.
         server: Global rank of the parameter server.
         skip: Module-name patterns left in fp (default: heads, classifiers and embeddings).
         include: Layer types to convert (default: ``Linear``, ``Conv2d``, ``Conv1D``).
         drift_check_every: Every N steps, check that every rank holds bit-identical codes and weights (0: off).
         on_nonfinite: ``"raise"`` or ``"skip"`` when a rank's code gradient holds NaN/Inf.
+        error_feedback: Each rank keeps the code gradient it did not send (or sent rounded) and adds it to the next
+            step's, so every code's gradient is eventually heard (4 bytes per code per rank; saved in checkpoints).
         fp_density: None: the fp gradients are averaged densely (as DDP). A fraction in (0, 1]: each rank sends
             only that fraction of them as a sparse list, with error feedback (:mod:`~lightning_hetero.lowbit.fp_sync`).
         owner: Class name used in messages.
@@ -81,7 +88,8 @@ class SparseFlipRuntime(StrategyRuntime):
         self,
         kind: str = "ternary",
         granularity: str = "row",
-        flip_rule: str = "bop",
+        flip_rule: str = "local_bop",
+        send_fraction: float = 1.0,
         flips_per_step: int | None = None,
         flip_fraction: float | None = None,
         bop_gamma: float = 0.03,
@@ -91,13 +99,14 @@ class SparseFlipRuntime(StrategyRuntime):
         zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
-        encoding: str = "bf16",
+        encoding: str = "sign",
         aggregation: str = "server",
         server: int = 0,
         skip: Sequence[str] | None = None,
         include: Sequence[str] | None = None,
         drift_check_every: int = 0,
         on_nonfinite: str = "raise",
+        error_feedback: bool = True,
         fp_density: float | None = None,
         owner: str = "SparseFlipStrategy",
     ) -> None:
@@ -122,12 +131,11 @@ class SparseFlipRuntime(StrategyRuntime):
             on_nonfinite=on_nonfinite,
             fp_density=fp_density,
         )
-        density = 0.01 if tau is None and density is None else density
         self.kind, self.granularity = kind, granularity
         self.flip_rule, self.flips_per_step, self.flip_fraction = flip_rule, flips_per_step, flip_fraction
         self.bop_gamma, self.bop_threshold, self.bop_decay_to = bop_gamma, bop_threshold, bop_decay_to
         self.trainable_scale, self.zero_fraction = bool(trainable_scale), zero_fraction
-        self.rule: TopKRule | BopRule | None = None
+        self.rule: TopKRule | BopRule | ThresholdRule | None = None
         self.total_steps: int | None = None
         """Optimizer steps of the whole run, when known (drives Bop's decay); the Trainer adapter sets it."""
         self.tau, self.density, self.encoding = tau, density, encoding
@@ -136,9 +144,12 @@ class SparseFlipRuntime(StrategyRuntime):
         self.include = None if include is None else list(include)
         self.drift_check_every, self.on_nonfinite = drift_check_every, on_nonfinite
         self.fp_density = fp_density
+        self.error_feedback = bool(error_feedback) and flip_rule != "local_bop"  # there the momentum is the memory
+        self.send_fraction = send_fraction
+        self.local_bop: LocalBop | None = None
+        self.code_residual: Tensor | None = None
         self.fp_sync: SparseGradientAverage | None = None
-        self._pending_fp_state: dict[str, Any] | None = None
-        self._pending_rule_state: dict[str, Tensor] | None = None
+        self._pending_entry: Mapping[str, Any] | None = None
         self.module: nn.Module | None = None
         self.layout: CodeLayout | None = None
         self.exchange: SparseFlipExchange | None = None
@@ -203,19 +214,23 @@ class SparseFlipRuntime(StrategyRuntime):
                 from lightning_hetero.flexdemo.topology import build_topology
 
                 self._drift_topology = build_topology(device, 1)  # every rank its own replica
-        self.rule = (
-            TopKRule(self.k)
-            if self.flip_rule == "topk"
-            else BopRule(layout.offsets, self.bop_gamma, self.bop_threshold, reset=0.0, cap=cap)
-        )
-        if self._pending_rule_state is not None:
-            self.rule.load_state_dict(self._pending_rule_state)
-            self._pending_rule_state = None
+        tau, density = self.tau, self.density
+        if self.flip_rule == "local_bop":
+            self.local_bop = LocalBop(layout.offsets, self.bop_gamma)
+            self.rule = ThresholdRule(self.bop_threshold, cap)
+            if tau is None and density is None:
+                tau = self.send_fraction * self.bop_threshold
+        elif self.flip_rule == "bop":
+            self.rule = BopRule(layout.offsets, self.bop_gamma, self.bop_threshold, reset=0.0, cap=cap)
+        else:
+            self.rule = TopKRule(self.k)
+        if tau is None and density is None:
+            density = 0.01
         self.exchange = SparseFlipExchange(
             layout.numel,
             self.k,
-            tau=self.tau,
-            density=self.density,
+            tau=tau,
+            density=density,
             encoding=self.encoding,
             mode=self.aggregation,
             server=self.server,
@@ -226,12 +241,10 @@ class SparseFlipRuntime(StrategyRuntime):
         if self.fp_density is not None:
             numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
             self.fp_sync = SparseGradientAverage(numel, self.fp_density, self.encoding, comm.INTER, group)
-            if self._pending_fp_state is not None and "residuals" in self._pending_fp_state:
-                rank, world_size = process_rank_and_size()
-                residuals = self._pending_fp_state["residuals"]
-                self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
-                self._pending_fp_state = None
         self.module, self.layout = module, layout
+        if self._pending_entry is not None:  # a checkpoint loaded before setup
+            entry, self._pending_entry = self._pending_entry, None
+            self.load_extra_checkpoint_state(entry)
         return module
 
     # ------------------------------------------------------------------------------------------------ training
@@ -243,6 +256,8 @@ class SparseFlipRuntime(StrategyRuntime):
         sent_before = comm.get_ledger().totals(comm.INTER).sent
         self._sync_fp_gradients(world_size)
         grad = self.layout.flat_grad().cpu()
+        if self.code_residual is not None:
+            grad = grad + self.code_residual
         finite = torch.tensor([float(bool(torch.isfinite(grad).all()))])
         if world_size > 1:
             comm.all_reduce(finite, "min", label=comm.INTER)
@@ -253,9 +268,21 @@ class SparseFlipRuntime(StrategyRuntime):
             warnings.warn(f"{message}; this step's flips are skipped.", RuntimeWarning, stacklevel=2)
             self._pending, self._metrics = None, {"lowbit/skipped_nonfinite": 1.0}
             return
-        if isinstance(self.rule, BopRule) and self.total_steps:
-            self.rule.set_progress(self.steps / self.total_steps, self.bop_decay_to)
-        indices, directions = self.exchange.step(grad, self.layout.flat_codes().cpu())
+        decaying = self.local_bop if self.local_bop is not None else self.rule
+        if isinstance(decaying, (BopRule, LocalBop)) and self.total_steps:
+            decaying.set_progress(self.steps / self.total_steps, self.bop_decay_to)
+        codes = self.layout.flat_codes().cpu()
+        if self.local_bop is not None:
+            momentum = self.local_bop.update(grad)  # a rank sends its momenta, not its gradient,
+            allowed = move_allowed(codes, (-torch.sign(momentum)).to(torch.int8))
+            grad = torch.where(allowed, momentum, torch.zeros_like(momentum))  # and none of saturated codes
+        indices, directions = self.exchange.step(grad, codes)
+        if self.local_bop is not None:
+            self.local_bop.reset(indices)
+        if self.error_feedback:
+            sent_indices, sent_values = self.exchange.last_sent
+            grad.index_add_(0, sent_indices, -sent_values)
+            self.code_residual = grad
         self._pending = (indices, directions)
         self._metrics = {
             "lowbit/selected": float(self.exchange.last_selected),
@@ -290,13 +317,12 @@ class SparseFlipRuntime(StrategyRuntime):
         rank, world_size = process_rank_and_size()
         entry: dict[str, Any] = {"steps": self.steps, "rule": self._rule_state_on_rank_zero(world_size)}
         if self.fp_sync is not None:
-            residual = self.fp_sync.residual
-            if world_size == 1:
-                entry["residuals"] = [residual.clone()]
-            else:
-                gathered = torch.empty(world_size * residual.numel(), dtype=residual.dtype)
-                comm.all_gather_into_tensor(gathered, residual.contiguous(), label=CHECKPOINT_LABEL)
-                entry["residuals"] = list(gathered.view(world_size, -1).clone().unbind(0))
+            entry["residuals"] = _gather_to_every_rank(self.fp_sync.residual, world_size)
+        if self.local_bop is not None:
+            entry["local_momenta"] = _gather_to_every_rank(self.local_bop.momentum, world_size)
+        if self.error_feedback and self.layout is not None:
+            residual = self.code_residual if self.code_residual is not None else torch.zeros(self.layout.numel)
+            entry["code_residuals"] = _gather_to_every_rank(residual, world_size)
         return entry
 
     def _rule_state_on_rank_zero(self, world_size: int) -> dict[str, Tensor]:
@@ -309,21 +335,28 @@ class SparseFlipRuntime(StrategyRuntime):
         return state
 
     def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
-        """Restore the rule state and this rank's residual (applied at setup when nothing exists yet)."""
+        """Restore the step counter, the rule state and this rank's residuals (kept until setup if it has not run).
+
+        Residuals saved by another number of ranks are dropped (training goes on, not bit-identically).
+        """
         if entry is None:
             return
-        self.steps = int(entry.get("steps", self.steps))
         if self.exchange is None:
-            self._pending_rule_state = entry.get("rule")
-            self._pending_fp_state = dict(entry)
+            self._pending_entry = entry
             return
+        self.steps = int(entry.get("steps", self.steps))
         if entry.get("rule") is not None and self.rule is not None:
             self.rule.load_state_dict(entry["rule"])
+        rank, world_size = process_rank_and_size()
+        momenta = entry.get("local_momenta") or []
+        if self.local_bop is not None and len(momenta) == world_size:
+            self.local_bop.load_state_dict({"momentum": momenta[rank]})
+        code_residuals = entry.get("code_residuals") or []
+        if self.error_feedback and len(code_residuals) == world_size:
+            self.code_residual = code_residuals[rank].detach().float().cpu().clone()
         if self.fp_sync is not None:
-            rank, world_size = process_rank_and_size()
-            residuals = entry.get("residuals", [])
+            residuals = entry.get("residuals") or []
             self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
-            self._pending_fp_state = None
 
     def after_optimizer_step(self) -> dict[str, float]:
         """Apply the step's flips, clear the code gradients, run the drift guard when due; returns the metrics."""
@@ -373,3 +406,12 @@ class SparseFlipRuntime(StrategyRuntime):
             "fp_parameters": fp,
             "fp32_adamw_bytes_if_dense": 12 * (codes + fp),
         }
+
+
+def _gather_to_every_rank(tensor: Tensor, world_size: int) -> list[Tensor]:
+    """Every rank's copy of a same-sized CPU tensor, in rank order (collective; label ``"checkpoint"``)."""
+    if world_size == 1:
+        return [tensor.clone()]
+    gathered = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype)
+    comm.all_gather_into_tensor(gathered, tensor.contiguous(), label=CHECKPOINT_LABEL)
+    return list(gathered.view(world_size, -1).clone().unbind(0))

@@ -202,6 +202,7 @@ class SparseFlipExchange:
         self.last_flips_nbytes = 0
         self.last_bytes: tuple[int, int] = (0, 0)
         self.last_selected = 0
+        self.last_sent: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0, dtype=torch.long), torch.zeros(0))
 
     def _rank_world(self) -> tuple[int, int]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -234,6 +235,7 @@ class SparseFlipExchange:
         indices, values = select_sparse(grad, self.tau, self.density)
         message = encode_sparse(indices, values, self.numel, self.encoding)
         self.last_selected = indices.numel()
+        self.last_sent = decode_sparse(message, self.numel, self.encoding)  # what the others will see of this rank
         rank, n = self._rank_world()
         kwargs = {"label": self.label, "group": self.group, "ledger": self.ledger}
         if n == 1 or self.mode == "allgather":

@@ -54,7 +54,7 @@ class Recorder(Callback):
 def _fit(out: Path, max_steps: int, checkpoint: Path | None = None, ckpt_path: Path | None = None, **kwargs: Any):
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, verbose=False)
-    strategy = SparseFlipStrategy(flips_per_step=16, density=0.25, drift_check_every=2, start_method="spawn", **kwargs)
+    strategy = SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, drift_check_every=2, start_method="spawn", **kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -117,7 +117,7 @@ def _fabric_run(fabric: Fabric, out: Path) -> None:
 
 
 def test_fabric_accumulates_then_exchanges(tmp_path):
-    strategy = FabricSparseFlipStrategy(flips_per_step=16, density=0.25, start_method="spawn")
+    strategy = FabricSparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, start_method="spawn")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_fabric_run, tmp_path)
     ranks = [torch.load(tmp_path / f"fabric{r}.pt", weights_only=False) for r in range(2)]

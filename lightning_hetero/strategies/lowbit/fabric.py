@@ -32,8 +32,8 @@ class SparseFlipStrategy(FabricStrategyBase):
     """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks.
 
     Arguments as in the Trainer's :class:`lightning_hetero.SparseFlipStrategy` (``kind``, ``granularity``,
-    ``flip_rule``, ``flips_per_step``, ``flip_fraction``, ``bop_*``, ``trainable_scale``, ``zero_fraction``, ``tau``
-    or ``density``, ``encoding``, ``aggregation``, ``server``,
+    ``flip_rule``, ``send_fraction``, ``flips_per_step``, ``flip_fraction``, ``bop_*``, ``trainable_scale``,
+    ``zero_fraction``, ``tau`` or ``density``, ``encoding``, ``aggregation``, ``server``,
     ``skip``, ``include``, ``drift_check_every``, ``on_nonfinite``, ``fp_density``), plus Fabric's (``**kwargs``; see
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
@@ -44,7 +44,8 @@ class SparseFlipStrategy(FabricStrategyBase):
         self,
         kind: str = "ternary",
         granularity: str = "row",
-        flip_rule: str = "bop",
+        flip_rule: str = "local_bop",
+        send_fraction: float = 1.0,
         flips_per_step: int | None = None,
         flip_fraction: float | None = None,
         bop_gamma: float = 0.03,
@@ -54,7 +55,7 @@ class SparseFlipStrategy(FabricStrategyBase):
         zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
-        encoding: str = "bf16",
+        encoding: str = "sign",
         aggregation: str = "server",
         server: int = 0,
         skip: list[str] | None = None,

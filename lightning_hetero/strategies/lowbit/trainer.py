@@ -33,8 +33,11 @@ class SparseFlipStrategy(TrainerStrategyBase):
     Args:
         kind: ``"ternary"`` or ``"binary"``.
         granularity: ``"row"`` (a scale per output channel) or ``"layer"``.
-        flip_rule: ``"bop"`` (a momentum per code, a move past ``bop_threshold``; the measured best) or ``"topk"``
-            (the seed's top-``k`` of the summed lists).
+        flip_rule: ``"local_bop"`` (each rank keeps Bop's momentum of its own gradient and sends the momenta past
+            ``send_fraction * bop_threshold``; codes whose mean momentum passes ``bop_threshold`` move; the measured
+            best), ``"bop"`` (Bop on the server over the aggregated sparse gradients) or ``"topk"`` (the seed's
+            top-``k`` of the summed lists).
+        send_fraction: ``"local_bop"``: a rank sends momenta above this fraction of ``bop_threshold``.
         flips_per_step: At most this many flips per step (``k``); None: ``ceil(flip_fraction * codes)``.
         flip_fraction: ``k`` as a fraction of the codes. None: 0.001 for ``"topk"``, no cap for ``"bop"``.
         bop_gamma: Bop's momentum rate, cosine-decayed to ``bop_decay_to`` x over the run (Trainer: from
@@ -44,8 +47,10 @@ class SparseFlipStrategy(TrainerStrategyBase):
         trainable_scale: The fp scales are parameters trained by your optimizer (with biases, norms, ...).
         zero_fraction: Ternary start: this fraction of each row's smallest weights begins at 0 (None: rounding).
         tau: Fixed send threshold on ``|g|``; exclusive with ``density``.
-        density: Fraction of the codes each rank sends (default 0.01 when ``tau`` is None).
-        encoding: Sent values: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"``.
+        density: Fraction of the codes each rank sends (default: ``tau = send_fraction * bop_threshold`` on the
+            momenta for ``"local_bop"``, else 0.01).
+        encoding: Sent values: ``"sign"`` (1 bit + one scale per message: a vote), ``"ternary"``, ``"bf16"``,
+            ``"fp32"``.
         aggregation: ``"server"`` (parameter server ``server``) or ``"allgather"`` (decentralized, same flips).
         server: Global rank of the parameter server.
         skip: Module-name patterns kept in fp (default: heads, classifiers, embeddings).
@@ -65,7 +70,8 @@ class SparseFlipStrategy(TrainerStrategyBase):
         self,
         kind: str = "ternary",
         granularity: str = "row",
-        flip_rule: str = "bop",
+        flip_rule: str = "local_bop",
+        send_fraction: float = 1.0,
         flips_per_step: int | None = None,
         flip_fraction: float | None = None,
         bop_gamma: float = 0.03,
@@ -75,7 +81,7 @@ class SparseFlipStrategy(TrainerStrategyBase):
         zero_fraction: float | None = 0.5,
         tau: float | None = None,
         density: float | None = None,
-        encoding: str = "bf16",
+        encoding: str = "sign",
         aggregation: str = "server",
         server: int = 0,
         skip: list[str] | None = None,

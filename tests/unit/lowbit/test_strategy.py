@@ -90,14 +90,21 @@ class _Flips(Callback):
         self.flips.append(float(trainer.callback_metrics["lowbit/flips"]))
 
 
-@pytest.mark.parametrize("rule", ["bop", "topk"])
+RULE_OPTIONS = {
+    "local_bop": {"bop_gamma": 0.3},  # the default rule: sign votes of the momenta past the threshold
+    "bop": {"bop_gamma": 0.3, "density": 0.5, "encoding": "bf16"},
+    "topk": {"density": 0.5, "encoding": "bf16"},
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_OPTIONS))
 def test_single_process_fit_flips_codes_and_checkpoints_them(tmp_path, rule):
     module = DigitsMLP()
     flips = _Flips()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SparseFlipStrategy(flip_rule=rule, flips_per_step=8, density=0.5),
+        strategy=SparseFlipStrategy(flip_rule=rule, flips_per_step=8, **RULE_OPTIONS[rule]),
         max_steps=12,
         logger=False,
         enable_checkpointing=False,

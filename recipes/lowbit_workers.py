@@ -1,4 +1,9 @@
-"""Bytes per step of the ``sparseflip`` exchange next to a dense fp32 all-reduce, measured on spawned gloo ranks.
+"""Spawned-rank measurements for ``recipes/bench_lowbit.py``: bytes per step, and distributed flip training.
+
+:func:`measure` gives the bytes per step of the ``sparseflip`` exchange next to a dense fp32 all-reduce.
+:func:`train_distributed` trains the small MNIST / digits classifiers of :mod:`lightning_hetero.lowbit.experiments`
+with the strategy's runtime on ``workers`` ranks (each rank its share of every batch) and reports test accuracy
+and bytes, so the sparse exchange's effect on accuracy can be compared with single-process flip training.
 
 Each of ``workers`` spawned CPU ranks builds the same model, converts it like the strategy does, and runs a few
 steps of the strategy's runtime (:class:`~lightning_hetero.lowbit.runtime.SparseFlipRuntime`) on its own batch; the
@@ -91,4 +96,81 @@ def measure(workers: int, options: dict[str, Any], steps: int = 4) -> dict[str, 
         "dense_fp32_allreduce_sent_per_rank": dense_sent,
         "bytes_ratio_vs_dense": dense_sent / max(worst_sent, 1.0),
         "ranks": ranks,
+    }
+
+
+def _train_worker(rank: int, world: int, model_name: str, dataset: str, steps: int, options: dict[str, Any]):
+    import math
+    import time
+
+    from lightning_hetero.lowbit.experiments import build_model, load_dataset
+    from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+
+    torch.set_num_threads(1)
+    x_train, y_train, x_test, y_test = load_dataset(dataset, seed=0)
+    torch.manual_seed(0)
+    model = build_model(model_name, x_train.shape[-1])
+    runtime = SparseFlipRuntime(**{"skip": (), **options})
+    runtime.setup(model, torch.device("cpu"))
+    runtime.total_steps = steps
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    order = torch.Generator().manual_seed(0)
+    permutation, cursor, batch_size = torch.randperm(len(x_train), generator=order), 0, 64
+    share = batch_size // world
+    ledger = comm.get_ledger()
+    start_bytes, flips = ledger.totals(comm.INTER), 0
+    start = time.perf_counter()
+    for step in range(steps):
+        if cursor + batch_size > len(x_train):
+            permutation, cursor = torch.randperm(len(x_train), generator=order), 0
+        batch = permutation[cursor : cursor + batch_size][rank * share : (rank + 1) * share]
+        cursor += batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x_train[batch]), y_train[batch]).backward()
+        runtime.sync_gradients()
+        optimizer.step()
+        flips += int(runtime.after_optimizer_step()["lowbit/flips"])
+    seconds = time.perf_counter() - start
+    end_bytes = ledger.totals(comm.INTER)
+    with torch.no_grad():
+        accuracy = float((model(x_test).argmax(-1) == y_test).float().mean())
+    return {
+        "rank": rank,
+        "accuracy": accuracy,
+        "flips": flips,
+        "seconds": seconds,
+        "sent_per_step": (end_bytes.sent - start_bytes.sent) / steps,
+        "received_per_step": (end_bytes.received - start_bytes.received) / steps,
+        "codes": runtime.layout.numel if runtime.layout is not None else 0,
+        "fp_parameters": sum(p.numel() for p in params),
+        "dense_fp32_bytes": 4 * sum(p.numel() for p in build_model(model_name, x_train.shape[-1]).parameters()),
+    }
+
+
+def train_distributed(
+    workers: int, model_name: str, dataset: str, steps: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Flip-train on ``workers`` spawned ranks with the sparseflip runtime; accuracy (identical on every rank) and
+    the largest per-rank bytes per step."""
+    ranks = run_distributed(_train_worker, workers, model_name, dataset, steps, options, timeout=3600.0)
+    assert len({r["accuracy"] for r in ranks}) == 1, "replicas diverged"
+    worst = max(r["sent_per_step"] for r in ranks)
+    dense = ranks[0]["dense_fp32_bytes"] * 2 * (workers - 1) / workers  # ring all-reduce bytes sent per rank
+    return {
+        "workers": workers,
+        "model": model_name,
+        "dataset": dataset,
+        "steps": steps,
+        "options": options,
+        "accuracy": ranks[0]["accuracy"],
+        "flips": ranks[0]["flips"],
+        "seconds": max(r["seconds"] for r in ranks),
+        "max_rank_sent_per_step": worst,
+        "dense_fp32_allreduce_sent_per_rank": dense,
+        "bytes_ratio_vs_dense": dense / max(worst, 1.0),
+        "codes": ranks[0]["codes"],
+        "fp_parameters": ranks[0]["fp_parameters"],
     }
