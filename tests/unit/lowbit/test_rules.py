@@ -73,3 +73,23 @@ def test_topk_rule_and_argument_errors():
     rule = BopRule([0, 2], gamma=0.1, threshold=0.1)
     rule.set_progress(1.0, decay_to=0.1)
     assert rule.gamma_scale == pytest.approx(0.1)
+
+
+def test_local_bop_runtime_alone_moves_exactly_like_bop_flip():
+    """One rank, fp32 values: the momenta past the threshold are sent and move, as BopFlip moves them."""
+    from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+
+    reference, model = _model(), _model()
+    bop = BopFlip(reference, gamma=0.3, threshold=0.2, normalize=True, reset=0.0)
+    runtime = SparseFlipRuntime(encoding="fp32", bop_gamma=0.3, bop_threshold=0.2, skip=(), trainable_scale=False)
+    runtime.setup(model, torch.device("cpu"))  # already converted: kept as it is
+    moved = 0
+    for step in range(6):
+        _backward(reference, step)
+        _backward(model, step)
+        bop.step()
+        bop.zero_grad()
+        runtime.sync_gradients()
+        moved += int(runtime.after_optimizer_step()["lowbit/flips"])
+        assert torch.equal(CodeLayout(reference).flat_codes(), runtime.layout.flat_codes()), step
+    assert moved > 0
