@@ -30,7 +30,37 @@ from lightning_hetero.lowbit.flip import move_allowed, topk_moves
 __all__ = ["BopRule", "LocalBop", "ThresholdRule", "TopKRule"]
 
 
-class TopKRule:
+def moves_past(
+    values: torch.Tensor, codes: torch.Tensor, threshold: float, cap: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The allowed moves against the sign of ``values`` where ``|values| > threshold``; the ``cap`` largest if more."""
+    direction = torch.where(values.abs() > threshold, -torch.sign(values), torch.zeros_like(values)).to(torch.int8)
+    allowed = move_allowed(codes, direction) & (direction != 0)
+    if cap is not None and int(allowed.sum()) > cap:
+        score = torch.where(allowed, values.abs(), torch.zeros_like(values))
+        allowed = torch.zeros_like(allowed)
+        allowed[torch.argsort(score, descending=True, stable=True)[:cap]] = True
+    indices = allowed.nonzero().reshape(-1)
+    return indices, direction[indices]
+
+
+def cosine_scale(fraction: float, decay_to: float) -> float:
+    """A cosine from 1 (``fraction`` 0) down to ``decay_to`` (``fraction`` 1)."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    return decay_to + (1.0 - decay_to) * 0.5 * (1.0 + math.cos(math.pi * fraction))
+
+
+class _Stateless:
+    """A rule without state (nothing to checkpoint)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class TopKRule(_Stateless):
     """The ``k`` allowed moves of largest ``|mean|`` (ties to the lower index)."""
 
     def __init__(self, k: int) -> None:
@@ -40,12 +70,6 @@ class TopKRule:
 
     def __call__(self, mean: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return topk_moves(mean, codes, self.k)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
 
 
 class BopRule:
@@ -87,23 +111,15 @@ class BopRule:
                 normalized[lo:hi] = part / rms
         gamma = self.gamma * self.gamma_scale
         m = ((1.0 - gamma) * self.momentum.float() + gamma * normalized).to(torch.float16).float()
-        direction = torch.where(m.abs() > self.threshold, -torch.sign(m), torch.zeros_like(m)).to(torch.int8)
-        allowed = move_allowed(codes, direction) & (direction != 0)
-        if self.cap is not None and int(allowed.sum()) > self.cap:
-            score = torch.where(allowed, m.abs(), torch.zeros_like(m))
-            order = torch.argsort(score, descending=True, stable=True)[: self.cap]
-            allowed = torch.zeros_like(allowed)
-            allowed[order] = True
-        indices = allowed.nonzero().reshape(-1)
+        indices, directions = moves_past(m, codes, self.threshold, self.cap)
         if self.reset != 1.0:
             m[indices] = m[indices] * self.reset
         self.momentum = m.to(torch.float16)
-        return indices, direction[indices]
+        return indices, directions
 
     def set_progress(self, fraction: float, decay_to: float) -> None:
         """Cosine decay of ``gamma`` from 1x to ``decay_to`` x as the run goes from 0 to 1."""
-        fraction = min(max(fraction, 0.0), 1.0)
-        self.gamma_scale = decay_to + (1.0 - decay_to) * 0.5 * (1.0 + math.cos(math.pi * fraction))
+        self.gamma_scale = cosine_scale(fraction, decay_to)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum.clone()}
@@ -118,7 +134,7 @@ class BopRule:
         self.momentum = momentum.detach().to(torch.float16).cpu().clone()
 
 
-class ThresholdRule:
+class ThresholdRule(_Stateless):
     """Move the codes whose mean (over ranks) momentum passes ``threshold``, against its sign; at most ``cap``."""
 
     def __init__(self, threshold: float, cap: int | None = None) -> None:
@@ -127,22 +143,7 @@ class ThresholdRule:
         self.threshold, self.cap = threshold, cap
 
     def __call__(self, mean: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, codes = mean.reshape(-1).float().cpu(), codes.reshape(-1).cpu()
-        direction = torch.where(mean.abs() > self.threshold, -torch.sign(mean), torch.zeros_like(mean)).to(torch.int8)
-        allowed = move_allowed(codes, direction) & (direction != 0)
-        if self.cap is not None and int(allowed.sum()) > self.cap:
-            score = torch.where(allowed, mean.abs(), torch.zeros_like(mean))
-            order = torch.argsort(score, descending=True, stable=True)[: self.cap]
-            allowed = torch.zeros_like(allowed)
-            allowed[order] = True
-        indices = allowed.nonzero().reshape(-1)
-        return indices, direction[indices]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
+        return moves_past(mean.reshape(-1).float().cpu(), codes.reshape(-1).cpu(), self.threshold, self.cap)
 
 
 class LocalBop:
@@ -176,8 +177,7 @@ class LocalBop:
 
     def set_progress(self, fraction: float, decay_to: float) -> None:
         """Cosine decay of ``gamma`` from 1x to ``decay_to`` x as the run goes from 0 to 1."""
-        fraction = min(max(fraction, 0.0), 1.0)
-        self.gamma_scale = decay_to + (1.0 - decay_to) * 0.5 * (1.0 + math.cos(math.pi * fraction))
+        self.gamma_scale = cosine_scale(fraction, decay_to)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"momentum": self.momentum.clone()}

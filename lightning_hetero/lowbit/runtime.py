@@ -35,15 +35,13 @@ from lightning_hetero.lowbit.flip import CodeLayout, move_allowed
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.rules import BopRule, LocalBop, ThresholdRule, TopKRule
+from lightning_hetero.lowbit.runtime_state import CHECKPOINT_LABEL, SparseFlipStateMixin
 from lightning_hetero.lowbit.sparse import SparseFlipExchange
 
 __all__ = ["CHECKPOINT_LABEL", "FLIP_RULES", "NONFINITE_POLICIES", "SparseFlipRuntime"]
 
-CHECKPOINT_LABEL = "checkpoint"
-"""Ledger label of gathering the fp residuals into rank 0's checkpoint."""
 
-
-class SparseFlipRuntime(StrategyRuntime):
+class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
     """Shared ``sparseflip`` logic: conversion, initial broadcast, the sparse flip exchange and the dense fp average.
 
     Args:
@@ -308,56 +306,6 @@ class SparseFlipRuntime(StrategyRuntime):
             param.grad.copy_(averaged[offset : offset + count].view_as(param.grad))
             offset += count
 
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
-        """The deciding rank's rule state (Bop momenta) and, with ``fp_density``, every rank's error-feedback
-        residual, for rank 0's checkpoint (collective)."""
-        if self.exchange is None:
-            return None
-        rank, world_size = process_rank_and_size()
-        entry: dict[str, Any] = {"steps": self.steps, "rule": self._rule_state_on_rank_zero(world_size)}
-        if self.fp_sync is not None:
-            entry["residuals"] = _gather_to_every_rank(self.fp_sync.residual, world_size)
-        if self.local_bop is not None:
-            entry["local_momenta"] = _gather_to_every_rank(self.local_bop.momentum, world_size)
-        if self.error_feedback and self.layout is not None:
-            residual = self.code_residual if self.code_residual is not None else torch.zeros(self.layout.numel)
-            entry["code_residuals"] = _gather_to_every_rank(residual, world_size)
-        return entry
-
-    def _rule_state_on_rank_zero(self, world_size: int) -> dict[str, Tensor]:
-        state = self.rule.state_dict() if self.rule is not None else {}
-        decider = self.server if self.aggregation == "server" else 0
-        if world_size == 1 or decider == 0:
-            return state
-        for value in state.values():  # only the server's momenta are current: hand them to rank 0
-            comm.broadcast(value, decider, label=CHECKPOINT_LABEL)
-        return state
-
-    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
-        """Restore the step counter, the rule state and this rank's residuals (kept until setup if it has not run).
-
-        Residuals saved by another number of ranks are dropped (training goes on, not bit-identically).
-        """
-        if entry is None:
-            return
-        if self.exchange is None:
-            self._pending_entry = entry
-            return
-        self.steps = int(entry.get("steps", self.steps))
-        if entry.get("rule") is not None and self.rule is not None:
-            self.rule.load_state_dict(entry["rule"])
-        rank, world_size = process_rank_and_size()
-        momenta = entry.get("local_momenta") or []
-        if self.local_bop is not None and len(momenta) == world_size:
-            self.local_bop.load_state_dict({"momentum": momenta[rank]})
-        code_residuals = entry.get("code_residuals") or []
-        if self.error_feedback and len(code_residuals) == world_size:
-            self.code_residual = code_residuals[rank].detach().float().cpu().clone()
-        if self.fp_sync is not None:
-            residuals = entry.get("residuals") or []
-            self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
-
     def after_optimizer_step(self) -> dict[str, float]:
         """Apply the step's flips, clear the code gradients, run the drift guard when due; returns the metrics."""
         if self.layout is None:
@@ -392,26 +340,3 @@ class SparseFlipRuntime(StrategyRuntime):
         """Clip the (already averaged, so equal on every rank) fp gradients; codes are moved by flips, not clipped."""
         params = [p for p in parameters if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-
-    def state_bytes(self) -> dict[str, Any]:
-        """Bytes of the codes (int8 and 2-bit packed) and of the fp parameters, against fp32 weights + AdamW."""
-        if self.module is None or self.layout is None:
-            return {}
-        codes = self.layout.numel
-        fp = sum(p.numel() for p in self.module.parameters())
-        return {
-            "codes": codes,
-            "code_bytes_int8": codes,
-            "code_bytes_packed": math.ceil(codes * (2 if self.kind == "ternary" else 1) / 8),
-            "fp_parameters": fp,
-            "fp32_adamw_bytes_if_dense": 12 * (codes + fp),
-        }
-
-
-def _gather_to_every_rank(tensor: Tensor, world_size: int) -> list[Tensor]:
-    """Every rank's copy of a same-sized CPU tensor, in rank order (collective; label ``"checkpoint"``)."""
-    if world_size == 1:
-        return [tensor.clone()]
-    gathered = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype)
-    comm.all_gather_into_tensor(gathered, tensor.contiguous(), label=CHECKPOINT_LABEL)
-    return list(gathered.view(world_size, -1).clone().unbind(0))
