@@ -70,3 +70,18 @@ def test_finetune_smollm2_prints_perplexity_before_and_after(tmp_path):
     assert set(report) == {"before", "after"}, log[-3000:]
     assert report["after"] < report["before"], report
     print(f"finetune_smollm2 (10 steps): {elapsed:.0f} s, val perplexity {report}")
+
+
+@pytest.mark.timeout(600)
+def test_bench_lowbit_quick_smoke(tmp_path):
+    """The low-bit benchmark runs end to end in its quick mode and writes a complete JSON (figures not checked)."""
+    import json
+
+    command = [sys.executable, str(REPO / "recipes/bench_lowbit.py"), "--quick", "--out", str(tmp_path)]
+    command += ["--only", "classifiers", "sweep", "bytes", "packing"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["classifiers"]) == 8 and len(results["sweep"]) == 6 and len(results["bytes"]) == 4
+    assert results["packing"]["packed_equals_float"] is True
+    assert all(row["accuracy"] == row["accuracy"] for row in results["sweep"])  # no NaN
