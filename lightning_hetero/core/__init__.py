@@ -4,7 +4,13 @@ drive, initial-state broadcast, distributed gradient-norm clipping and directory
 Nothing here imports Lightning; :mod:`lightning_hetero.strategies.lifecycle` adapts it to the Trainer and Fabric.
 """
 
-from lightning_hetero.core.checkpoint_dir import load_part, part_file, remove_checkpoint, write_part
+from lightning_hetero.core.checkpoint_dir import (
+    CorruptCheckpointError,
+    load_part,
+    part_file,
+    remove_checkpoint,
+    write_part,
+)
 from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size, runtime_arguments
 from lightning_hetero.core.state import (
     all_gather_json,
@@ -14,6 +20,7 @@ from lightning_hetero.core.state import (
 )
 
 __all__ = [
+    "CorruptCheckpointError",
     "StrategyRuntime",
     "WorldLayout",
     "all_gather_json",

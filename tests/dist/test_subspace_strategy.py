@@ -28,7 +28,6 @@ SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position
 CLIP = 0.5
 
 
-
 class TokenData(L.LightningDataModule):
     """One batch of 4 sequences per epoch, the same every epoch (resume then depends only on the restored state)."""
 
@@ -171,7 +170,13 @@ def test_trainer_resume_is_bit_identical_on_every_stage(tmp_path):
     checkpoint = tmp_path / "step4.ckpt"
     straight = _fit(tmp_path / "straight", TinyLlamaModule(), _strategy(update_every=3), 8, validate=True)
     _fit(tmp_path / "first", TinyLlamaModule(), _strategy(update_every=3), 4, checkpoint=checkpoint)
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["meta.json", "stage_0.pt", "stage_1.pt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "meta.json",
+        "stage_0.pt",
+        "stage_0.pt.sha256",
+        "stage_1.pt",
+        "stage_1.pt.sha256",
+    ]
     resumed = _fit(
         tmp_path / "resumed", TinyLlamaModule(), _strategy(update_every=3), 8, ckpt_path=checkpoint, validate=True
     )

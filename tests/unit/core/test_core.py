@@ -69,7 +69,8 @@ def test_parts_are_written_atomically_and_missing_parts_are_named(tmp_path):
     state = {"weights": torch.arange(4.0), "step": 7}
     target = write_part(tmp_path / "ckpt", "rank_00000", state)
     assert target == part_file(tmp_path / "ckpt", "rank_00000") and target.is_file()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank_00000.pt"]  # no temporary left
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["rank_00000.pt", "rank_00000.pt.sha256"]  # no temporary left
     loaded = load_part(tmp_path / "ckpt", "rank_00000")
     assert loaded["step"] == 7 and torch.equal(loaded["weights"], state["weights"])
     with pytest.raises(FileNotFoundError, match="rank_00001.pt is missing"):
@@ -105,3 +106,25 @@ def test_a_checkpoint_part_carrying_a_malicious_pickle_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         load_part(directory, "rank_00000")
     assert not marker.exists()  # nothing of it ran
+
+
+@pytest.mark.parametrize("damage", ["flip_a_byte", "truncate"])
+def test_a_corrupted_or_truncated_part_is_detected_naming_the_file(tmp_path, damage):
+    from lightning_hetero.core import CorruptCheckpointError
+
+    target = write_part(tmp_path, "stage_1", {"w": torch.arange(100.0)})
+    raw = bytearray(target.read_bytes())
+    if damage == "flip_a_byte":
+        raw[len(raw) // 2] ^= 0xFF
+    else:
+        raw = raw[: len(raw) // 2]
+    target.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="stage_1.pt does not match its checksum"):
+        load_part(tmp_path, "stage_1")
+
+
+def test_a_part_without_checksum_still_loads(tmp_path):
+    target = write_part(tmp_path, "old", {"w": torch.ones(2)})
+    (tmp_path / "old.pt.sha256").unlink()  # written before checksums existed
+    assert torch.equal(load_part(tmp_path, "old")["w"], torch.ones(2))
+    assert target.is_file()

@@ -111,7 +111,9 @@ def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
     (metrics,) = evaluator.validate(module, Progressions(), verbose=False)  # a validate-only run of the strategy
     assert metrics["val/loss"] < straight.losses[0]
 
-    assert sorted(p.name for p in checkpoint.iterdir()) == sorted([META_FILE, rank_file(checkpoint, 0).name])
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
+        [META_FILE, rank_file(checkpoint, 0).name, rank_file(checkpoint, 0).name + ".sha256"]
+    )
     saved = torch.load(rank_file(checkpoint, 0), weights_only=False)
     assert "replicator" in saved["optimizer_states"][0]  # the replicator's state travels with the optimizer
 
