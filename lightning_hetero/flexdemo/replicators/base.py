@@ -29,7 +29,15 @@ import torch.distributed as dist
 from lightning_hetero import comm
 from lightning_hetero.comm.codecs import validate_value_encoding
 
-__all__ = ["Bucket", "Piece", "Replicator", "kept_count", "validate_compression"]
+__all__ = [
+    "Bucket",
+    "PeerPayloadError",
+    "Piece",
+    "Replicator",
+    "check_peer_values",
+    "kept_count",
+    "validate_compression",
+]
 
 
 def validate_compression(compression: object) -> float:
@@ -75,6 +83,20 @@ class Bucket:
     launched_at: float
     early: bool
     offsets: list[int]
+
+
+class PeerPayloadError(ValueError):
+    """A replica's payload cannot be applied: indices outside the block, or non-finite values."""
+
+
+def check_peer_values(values: torch.Tensor, rank: int, key: int) -> None:
+    """Refuse non-finite values from replica ``rank`` for piece ``key`` (every replica sees the same bytes, so every
+    replica raises the same error instead of applying NaN/Inf to its weights)."""
+    if not bool(torch.isfinite(values).all()):
+        raise PeerPayloadError(
+            f"replica {rank} sent non-finite values for parameter piece {key}; refusing to apply them "
+            "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint)."
+        )
 
 
 class Replicator(ABC):

@@ -27,7 +27,13 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_values, value_nbytes
-from lightning_hetero.flexdemo.replicators.base import Piece, Replicator, kept_count
+from lightning_hetero.flexdemo.replicators.base import (
+    PeerPayloadError,
+    Piece,
+    Replicator,
+    check_peer_values,
+    kept_count,
+)
 
 __all__ = ["FullReplicator", "RandomReplicator", "StridingReplicator", "coordinate_schedule"]
 
@@ -65,15 +71,22 @@ class _DenseValueReplicator(Replicator):
 
     def decode_reduced(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
         """Mean over replicas of the slot values, placed back at their coordinates."""
+        if not bool(torch.isfinite(summed).all()):
+            raise PeerPayloadError(
+                f"the replicas' all-reduced values for parameter piece {piece.key} are non-finite: some replica sent "
+                "NaN/Inf; refusing to apply them (check the replicas' losses, or restart from the last checkpoint)."
+            )
         return self._expand(piece, summed.float() / self.num_replicas)
 
     def decode_gathered(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
         """Rank-ordered sum of every rank's dequantized slot values, divided by the number of replicas."""
         slots = piece.meta["slots"]
         total = torch.zeros(slots, dtype=torch.float32, device=piece.wire.device)
-        for data in per_rank:
+        for rank, data in enumerate(per_rank):
             if slots:
-                total += unpack_values(data, 1, slots, self.values).reshape(-1)
+                values = unpack_values(data, 1, slots, self.values).reshape(-1)
+                check_peer_values(values, rank, piece.key)
+                total += values
         return self._expand(piece, total / len(per_rank))
 
     def _expand(self, piece: Piece, slot_means: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,13 @@ from lightning_hetero.comm.codecs import (
     validate_index_bits,
     value_nbytes,
 )
-from lightning_hetero.flexdemo.replicators.base import Piece, Replicator, kept_count
+from lightning_hetero.flexdemo.replicators.base import (
+    PeerPayloadError,
+    Piece,
+    Replicator,
+    check_peer_values,
+    kept_count,
+)
 from lightning_hetero.flexdemo.transforms import ChunkedDCT, FlatChunks
 
 __all__ = ["COMBINE_MODES", "DeMoReplicator", "TopKReplicator"]
@@ -126,10 +132,16 @@ class _SparseReplicator(Replicator):
         k, idx_bytes = piece.meta["k"], piece.meta["index_bytes"]
         total = torch.zeros(layout.n_blocks, layout.block_numel, dtype=torch.float32, device=piece.wire.device)
         pickers = torch.zeros_like(total) if self.combine == "pickers" else None
-        for data in per_rank:  # fixed rank order: the same float additions on every replica
+        for rank, data in enumerate(per_rank):  # fixed rank order: the same float additions on every replica
             indices = unpack_indices(data[:idx_bytes], layout.n_blocks * k, self.index_bits).view(layout.n_blocks, k)
             indices = indices.to(total.device)
+            if indices.numel() and int(indices.max()) >= layout.block_numel:
+                raise PeerPayloadError(
+                    f"replica {rank} sent coefficient index {int(indices.max())} for parameter piece {piece.key}, "
+                    f"whose blocks have {layout.block_numel} coefficients; refusing to apply it."
+                )
             rank_values = unpack_values(data[idx_bytes:], layout.n_blocks, k, self.values)
+            check_peer_values(rank_values, rank, piece.key)
             total += torch.zeros_like(total).scatter_(1, indices, rank_values)
             if pickers is not None:
                 pickers.scatter_add_(1, indices, torch.ones_like(rank_values))
