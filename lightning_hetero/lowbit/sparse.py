@@ -202,12 +202,17 @@ class SparseFlipExchange:
         self.last_flips_nbytes = 0
         self.last_bytes: tuple[int, int] = (0, 0)
         self.last_selected = 0
-        self.last_sent: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        self.last_message = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
 
     def _rank_world(self) -> tuple[int, int]:
         if not (dist.is_available() and dist.is_initialized()):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    @property
+    def last_sent(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` of this rank's last list as the others decode it (for error feedback)."""
+        return decode_sparse(self.last_message, self.numel, self.encoding)
 
     def _decide(
         self, lists: Sequence[tuple[torch.Tensor, torch.Tensor]], codes: torch.Tensor, n: int
@@ -235,7 +240,7 @@ class SparseFlipExchange:
         indices, values = select_sparse(grad, self.tau, self.density)
         message = encode_sparse(indices, values, self.numel, self.encoding)
         self.last_selected = indices.numel()
-        self.last_sent = decode_sparse(message, self.numel, self.encoding)  # what the others will see of this rank
+        self.last_message = message
         rank, n = self._rank_world()
         kwargs = {"label": self.label, "group": self.group, "ledger": self.ledger}
         if n == 1 or self.mode == "allgather":

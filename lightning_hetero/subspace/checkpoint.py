@@ -11,8 +11,9 @@ Data-parallel replicas of a stage hold bit-identical weights and optimizer state
 only replica 0 writes; any number of replicas can resume from the folder (every replica of stage ``s`` reads
 ``stage_s.pt``). The stage count, the layer split and the subspace settings must match the run that resumes.
 
-:func:`gather_stage_states` brings every stage's state to rank 0 (for ``export_dense``). Nothing here imports
-Lightning.
+The part files are written and read through :mod:`lightning_hetero.core.checkpoint_dir` (atomic, checksummed,
+``weights_only``); this module names them and owns ``meta.json``. :func:`gather_stage_states` brings every stage's
+state to rank 0 (for ``export_dense``). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
 from lightning_hetero import comm
-from lightning_hetero.core.checkpoint_dir import load_part, remove_checkpoint, write_part
 from lightning_hetero.subspace.pipeline import PipelineLayout
 
 __all__ = [
@@ -38,12 +38,9 @@ __all__ = [
     "META_FILE",
     "check_meta",
     "gather_stage_states",
-    "load_stage_file",
     "read_meta",
-    "remove_pipeline_checkpoint",
     "stage_file",
     "write_meta",
-    "write_stage_file",
 ]
 
 CHECKPOINT_FORMAT = "lightning_hetero.subspace_pipeline/1"
@@ -60,11 +57,6 @@ _MUST_MATCH = ("num_stages", "layer_ranges", "rank", "compress", "mode", "seed",
 def stage_file(path: str | os.PathLike, stage: int) -> Path:
     """The file of ``stage`` inside checkpoint folder ``path``."""
     return Path(path) / f"stage_{stage}.pt"
-
-
-def write_stage_file(path: str | os.PathLike, stage: int, state: Mapping[str, Any]) -> Path:
-    """Write ``state`` as ``stage``'s file in folder ``path`` (created), atomically."""
-    return write_part(path, stage_file(path, stage).stem, state)
 
 
 def write_meta(path: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
@@ -113,16 +105,6 @@ def check_meta(saved: Mapping[str, Any], current: Mapping[str, Any], path: str |
 
 def _normalized(value: Any) -> Any:
     return json.loads(json.dumps(value))  # tuples -> lists, as read back from JSON
-
-
-def load_stage_file(path: str | os.PathLike, stage: int, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load ``stage``'s file from checkpoint folder ``path``."""
-    return load_part(path, stage_file(path, stage).stem, map_location=map_location)
-
-
-def remove_pipeline_checkpoint(path: str | os.PathLike) -> None:
-    """Delete a checkpoint folder (or file) if it exists."""
-    remove_checkpoint(path)
 
 
 def gather_stage_states(

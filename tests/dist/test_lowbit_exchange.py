@@ -77,7 +77,7 @@ def _exercise(rank: int, world: int) -> dict[str, Any]:
     # all lists empty: tau above every |g|
     codes = layout.flat_codes()
     checks["all_empty"] = _both(rank, world, torch.zeros(layout.numel), codes, 0, k=4, tau=1.0)
-    # a flat space above 65536 codes: 32-bit indices, sign values, the last rank as server
+    # a flat space above 65536 codes: blocked 16-bit indices, sign values, the last rank as server
     big = torch.randn(70_000, generator=torch.Generator().manual_seed(rank))
     big_codes = torch.zeros(70_000, dtype=torch.int8)
     checks["big"] = _both(rank, world, big, big_codes, world - 1, k=50, tau=2.5, encoding="sign")
