@@ -3,7 +3,7 @@
 A preset is ``"<family>-<size>"`` (``"llama-tiny"``, ``"gpt2-small"``, ``"t5-tiny"``, ``"vit-small"``, ...) and maps to
 the keyword arguments of the family's ``transformers`` config class. ``tiny`` is ~1M parameters (text: 2,048-token
 vocabulary; images: 28x28, 1 channel, 10 classes) for unit tests and smoke runs; ``small`` is ~10-20M parameters
-(text: 8,192-token vocabulary) for short real training runs.
+(text: 8,192-token vocabulary) for short real training runs; ``llama-medium`` (~30M) is the link-bound benchmark size.
 
 Conventions shared by every text preset, so that a tokenizer trained by our datamodules fits without overrides:
 ``pad_token_id=0``, ``bos_token_id=1``, ``eos_token_id=2`` (T5 has no BOS and starts decoding from the pad token).
@@ -51,6 +51,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 1024,
         "num_hidden_layers": 6,
         "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        **_TEXT_TOKEN_IDS,
+    },
+    # ~26M parameters with the 2,048-token Shakespeare tokenizer (~31M at its own 8,192 vocabulary): big enough that
+    # a full-gradient all-reduce over a 20-100 Mbit link takes 10-100x one CPU core's step (the regime of
+    # docs/benchmarks.md#operating-point), small enough for a few hundred steps on 2 cores.
+    "llama-medium": {
+        "model_type": "llama",
+        "vocab_size": 8192,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
