@@ -4,5 +4,16 @@ See ``docs/layerwise.md``. The Lightning side is :class:`lightning_hetero.callba
 """
 
 from lightning_hetero.layerwise.blocks import AUX_HEAD_KINDS, BlockStack, split_into_blocks
+from lightning_hetero.layerwise.cache import CACHE_STORAGES, ActivationCache, content_keys
+from lightning_hetero.layerwise.greedy import GreedyStages, SplitMismatchError
 
-__all__ = ["AUX_HEAD_KINDS", "BlockStack", "split_into_blocks"]
+__all__ = [
+    "AUX_HEAD_KINDS",
+    "CACHE_STORAGES",
+    "ActivationCache",
+    "BlockStack",
+    "GreedyStages",
+    "SplitMismatchError",
+    "content_keys",
+    "split_into_blocks",
+]

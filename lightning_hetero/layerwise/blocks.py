@@ -274,7 +274,9 @@ class BlockStack:
             proj = nn.Linear(4 * width, outputs) if kind == "linear" else _mlp(4 * width, width, outputs)
             head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), proj)
         else:
-            proj = nn.Linear(width, outputs) if kind == "linear" else _mlp(width, width, outputs)
+            # an LM head has no bias: a bias-free linear aux head can later become the model's head
+            linear = nn.Linear(width, outputs, bias=self.task == "classification")
+            proj = linear if kind == "linear" else _mlp(width, width, outputs)
             head = _NormAndProject(_copy_module(self.final_head.norm), proj, cls_token=self.family == "vit")
         reference = next(self.blocks[block_index].parameters())
         return head.to(device=reference.device, dtype=reference.dtype)

@@ -1,0 +1,357 @@
+"""Decoupled greedy layerwise training (DGL) as a forward-only pipeline: the runtime behind ``strategy="layerwise"``.
+
+Each rank runs one stage (stage-major layout, as the subspace pipeline: global rank ``r`` runs stage
+``r // data_parallel_size`` of replica ``r % data_parallel_size``, so a stage's replicas share a node). A training
+step on stage ``s``:
+
+1. input: stage 0 embeds its batch; stage ``s > 0`` takes stage ``s - 1``'s activations (synchronous: those of the
+   same step, waiting for them; asynchronous: the newest already received, from a bounded
+   :class:`~lightning_hetero.layerwise.replay.ReplayBuffer`, so a stage never waits for a slower predecessor while
+   it has activations less than ``replay_capacity`` steps old);
+2. its block, then the detached output goes to stage ``s + 1`` at once (non-blocking send);
+3. its local head (an auxiliary head; the model's own head on the last stage) and the loss against the batch's
+   labels, read from this stage's own copy of the batch; backward stays inside the stage;
+4. with data parallelism, the stage's gradients are averaged over its replicas (label ``intra``).
+
+The optimizer step is the caller's (each stage has its own optimizer over its own parameters). Nothing crosses a
+stage boundary backwards, so there is no pipeline bubble and a step's link time is one activation tensor per
+boundary. In synchronous mode the result equals training every block on the detached output of the block before it,
+step by step, in one process (tests/dist/test_layerwise_strategy.py checks it bit for bit).
+
+Ledger labels: activations, headers and the evaluation loss broadcast use ``pipeline``; the replicas' gradient
+average uses ``intra``. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hetero import comm
+from lightning_hetero.core import StrategyRuntime, WorldLayout, average_gradients, broadcast_module_state
+from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
+from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
+from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer, check_capacity
+from lightning_hetero.subspace.pipeline import PipelineGroups, PipelineLayout
+
+__all__ = ["CHECKPOINT_FORMAT", "MODES", "DecoupledRuntime"]
+
+MODES = ("sync", "async")
+CHECKPOINT_FORMAT = "lightning_hetero.layerwise_dgl/1"
+META_FILE = "meta.json"
+TRAIN_TAG, EVAL_TAG = 10, 20
+_MUST_MATCH = ("num_stages", "signature", "aux_head", "family")
+
+
+class DecoupledRuntime(StrategyRuntime):
+    """The loop-independent part of the ``layerwise`` (DGL) strategies, shared by the Trainer and Fabric adapters.
+
+    Args:
+        num_stages: Pipeline stages (one block each); the world must have ``num_stages * data_parallel_size`` ranks.
+        boundaries: Unit (layer / conv stage) indices at which stages 1.. start; default: balanced.
+        data_parallel_size: Replicas of every stage; a stage's gradients are averaged over its replicas.
+        aux_head: Local head of stages before the last: ``"linear"``, ``"mlp"`` or ``"lm_head"`` (causal LMs).
+        aux_outputs: Outputs of the auxiliary heads (must equal the model's classes / vocabulary; None: the model's).
+        mode: ``"sync"`` (stage s+1 trains on the activations of the same step) or ``"async"`` (on the newest
+            received ones, from a bounded replay buffer; staleness < ``replay_capacity`` steps).
+        replay_capacity: Entries of the replay buffer (asynchronous mode).
+        max_in_flight: Sends a stage may have outstanding before it waits (how far it can run ahead of the link).
+        activation_dtype: Codec of the activations: ``"fp32"`` (exact), ``"bf16"`` or ``"int8"`` (lossy).
+        owner: Class name used in error messages.
+    """
+
+    checkpoint_key = "layerwise_dgl"
+    directory_checkpoint = True
+    restore_after_setup = True
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        boundaries: Sequence[int] | None = None,
+        data_parallel_size: int = 1,
+        aux_head: str = "linear",
+        aux_outputs: int | None = None,
+        mode: str = "sync",
+        replay_capacity: int = 4,
+        max_in_flight: int = 2,
+        activation_dtype: str = "fp32",
+        owner: str = "LayerwiseStrategy",
+    ) -> None:
+        from lightning_hetero.layerwise.dgl_stage import AUX_HEAD_KINDS
+        from lightning_hetero.subspace.codec import BoundaryCodec
+
+        self.owner = owner
+        for name, value, minimum in (("num_stages", num_stages, 1), ("data_parallel_size", data_parallel_size, 1),
+                                     ("max_in_flight", max_in_flight, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{owner}({name}={value!r}): use an int >= {minimum}.")
+        self.replay_capacity = check_capacity(replay_capacity, owner, "replay_capacity")
+        if mode not in MODES:
+            raise ValueError(f"{owner}(mode={mode!r}): use 'sync' or 'async'.")
+        if aux_head not in AUX_HEAD_KINDS:
+            raise ValueError(f"{owner}(aux_head={aux_head!r}): use one of {list(AUX_HEAD_KINDS)}.")
+        if boundaries is not None and len(boundaries) != num_stages - 1:
+            raise ValueError(
+                f"{owner}(num_stages={num_stages}, boundaries={list(boundaries)}): give num_stages - 1 = "
+                f"{num_stages - 1} boundaries (the first unit index of stages 1..{num_stages - 1}), or none."
+            )
+        try:
+            BoundaryCodec(activation_dtype, 1)
+        except ValueError as error:
+            raise ValueError(f"{owner}(activation_dtype={activation_dtype!r}): {error}") from None
+        self.boundaries = None if boundaries is None else [int(b) for b in boundaries]
+        self.layout = PipelineLayout(num_stages, data_parallel_size)
+        self.aux_head, self.aux_outputs, self.mode = aux_head, aux_outputs, mode
+        self.max_in_flight, self.activation_dtype = max_in_flight, activation_dtype
+        self.groups: PipelineGroups | None = None
+        self.stack: Any | None = None
+        self.container: DGLStageModel | None = None
+        self.buffer = ReplayBuffer(self.replay_capacity)
+        self.ring = BatchRing(self.replay_capacity)
+        self._links: dict[str, ActivationLink] = {}
+        self.steps = 0
+        """Training steps done by this stage (checkpointed)."""
+        self.last_staleness = 0
+        """``step - producing step`` of the activations the last training step used (0 in synchronous mode)."""
+        self._head_checked = False
+
+    # ------------------------------------------------------------------------------------------------ topology
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    def resolve_launch(self, world: WorldLayout) -> None:
+        self.layout.check_world(world.world_size, self.owner)
+
+    @property
+    def _groups(self) -> PipelineGroups:
+        if self.groups is None:
+            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+        return self.groups
+
+    @property
+    def stage_index(self) -> int:
+        return self._groups.stage
+
+    @property
+    def stage(self) -> DGLStageModel:
+        if self.container is None:
+            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+        return self.container
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
+        """Every stage of a replica reads the same batches: shard the data by replica only."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.dp_rank_of(global_rank)}
+
+    def _link(self, direction: str, tag: int) -> ActivationLink:
+        key = f"{direction}{tag}"
+        if key not in self._links:
+            groups = self._groups
+            peer = groups.next_rank if direction == "out" else groups.prev_rank
+            asynchronous = self.mode == "async" and tag == TRAIN_TAG
+            self._links[key] = ActivationLink(peer, self.activation_dtype, tag, asynchronous, self.max_in_flight)
+        return self._links[key]
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self, module: nn.Module, device: torch.device, global_rank: int) -> nn.Module:
+        """Replace the model inside ``module`` by this rank's stage (idempotent; collective with replicas)."""
+        if self.groups is None:
+            self.groups = PipelineGroups(self.layout, global_rank)
+        existing = find_dgl_stage(module)
+        if existing is not None:
+            if existing.num_stages != self.num_stages:
+                raise ValueError(f"{self.owner}(num_stages={self.num_stages}): the module holds a "
+                                 f"{existing.num_stages}-stage pipeline.")  # fmt: skip
+            self.container = existing
+            return module
+        self.stack, self.container = build_dgl_stage(
+            module, self.num_stages, self.stage_index, self.boundaries, self.aux_head, self.aux_outputs, device
+        )
+        if self.data_parallel_size > 1 and self._groups.dp_group is not None:
+            source = self.layout.global_rank(self.stage_index, 0)
+            broadcast_module_state(self.container, source, group=self._groups.dp_group, label=comm.INTRA)
+        return module
+
+    @property
+    def _stack(self) -> Any:
+        if self.stack is None:
+            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+        return self.stack
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def _features(self, x: Tensor | None, batch: Mapping[str, Any]) -> Tensor:
+        stage, stack = self.stage, self._stack
+        hidden = stack.embed(batch) if x is None else x
+        return stage.block(hidden, stack.context_of(batch))
+
+    def _local_loss(self, hidden: Tensor, batch: Mapping[str, Any]) -> Tensor:
+        logits = self.stage.head(hidden)
+        if not self._head_checked:
+            check_head_output(logits, self._stack.num_outputs, self.stage_index, self.aux_head)
+            self._head_checked = True
+        return self._stack.loss(logits, batch)
+
+    def _dtype(self) -> torch.dtype:
+        return next((p.dtype for p in self.stage.parameters() if p.is_floating_point()), torch.float32)
+
+    def _device(self, batch: Mapping[str, Any]) -> torch.device:
+        return next(v.device for v in batch.values() if isinstance(v, Tensor))
+
+    def _input(self, batch: Mapping[str, Any]) -> tuple[Tensor | None, Mapping[str, Any], int]:
+        """This step's input activations, the batch they belong to and the step that batch was read at."""
+        step = self.steps
+        if self.is_first:
+            return None, batch, step
+        device, dtype = self._device(batch), self._dtype()
+        link = self._link("in", TRAIN_TAG)
+        if self.mode == "sync":
+            size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+            return link.receive(size, batch_signature(batch), device, dtype), batch, step
+        self.ring.add(step, batch)
+        for produced, activations in link.poll(step + 1, device, dtype):
+            self.buffer.push(produced, activations)
+        entry = self.buffer.newest_usable(step)
+        while entry is None:  # nothing fresh enough: wait for the next message (the one of this step at the latest)
+            for produced, activations in link.poll(step + 1, device, dtype, block=True):
+                self.buffer.push(produced, activations)
+            entry = self.buffer.newest_usable(step)
+        return entry.activations, self.ring.get(entry.step), entry.step
+
+    def train_step(self, batch: Mapping[str, Any]) -> Tensor:
+        """One DGL step of this stage: input, block, send, local loss, backward (+ replica average).
+
+        Gradients are added to ``.grad`` of this stage's parameters. Returns this stage's local loss (detached): the
+        auxiliary loss, or the model's loss on the last stage. No collective over the pipeline.
+        """
+        x, used_batch, produced = self._input(batch)
+        self.last_staleness = self.steps - produced
+        hidden = self._features(x, used_batch)
+        if not self.is_last:
+            self._link("out", TRAIN_TAG).send(hidden, produced, batch_signature(used_batch))
+        loss = self._local_loss(hidden, used_batch)
+        loss.backward()
+        self.sync_data_parallel_gradients()
+        self.steps += 1
+        return loss.detach()
+
+    def sync_data_parallel_gradients(self) -> None:
+        """Average this stage's gradients over its replicas (one all-reduce per dtype)."""
+        groups = self._groups
+        if self.data_parallel_size > 1 and groups.dp_group is not None:
+            average_gradients([p for p in self.stage.parameters() if p.requires_grad], groups.dp_group, comm.INTRA)
+
+    def flush(self) -> None:
+        """Finish the training messages in flight (before evaluation, checkpoints and the end of a fit).
+
+        The sender waits for its sends; in asynchronous mode the receiver takes every message its predecessor has
+        sent for the steps done so far (they go into the replay buffer).
+        """
+        out = self._links.get(f"out{TRAIN_TAG}")
+        if out is not None:
+            out.flush_sends()
+        link = self._links.get(f"in{TRAIN_TAG}")
+        if link is not None and self.mode == "async" and self.container is not None:
+            device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+            for produced, activations in link.drain_until(self.steps, device, self._dtype()):
+                self.buffer.push(produced, activations)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, Any]) -> Tensor:
+        """Forward through the whole pipeline (no training); the model's loss on every rank (broadcast)."""
+        x = None
+        if not self.is_first:
+            size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+            x = self._link("in", EVAL_TAG).receive(size, batch_signature(batch), self._device(batch), self._dtype())
+        hidden = self._features(x, batch)
+        value = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+        if self.is_last:
+            value[0] = self._stack.loss(self.stage.head(hidden), batch).float()
+        else:
+            link = self._link("out", EVAL_TAG)
+            link.send(hidden, 0, batch_signature(batch))
+            link.flush_sends()
+        groups = self._groups
+        if groups.pipeline_group is not None and self.num_stages > 1:
+            comm.broadcast(value, groups.last_rank, label=comm.PIPELINE, group=groups.pipeline_group)
+        return value[0]
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip this stage's gradients by their own norm (stages train independently; replicas are averaged)."""
+        return torch.nn.utils.clip_grad_norm_(
+            list(parameters), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def teardown(self) -> None:
+        self.flush()
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint records about the pipeline (checked on resume)."""
+        stack = self.stack
+        return {
+            "num_stages": self.num_stages,
+            "data_parallel_size": self.data_parallel_size,
+            "signature": getattr(stack, "signature", None),
+            "family": getattr(stack, "family", None),
+            "aux_head": self.aux_head,
+            "mode": self.mode,
+            "activation_dtype": self.activation_dtype,
+        }
+
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any]:
+        self.flush()  # the buffer is not saved: a resumed asynchronous stage starts from fresh activations
+        return {"steps": self.steps, **{f"replay_{k}": v for k, v in self.buffer.stats().items()}}
+
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
+        entry = entry or {}
+        self.steps = int(entry.get("steps", 0))
+        for link in self._links.values():
+            link.messages_sent = link.messages_received = self.steps if link.tag == TRAIN_TAG else 0
+        self.buffer.clear()
+        self.ring.clear()
+
+    def checkpoint_part(self, global_rank: int) -> str | None:
+        return f"stage_{self.stage_index}" if self.layout.dp_rank_of(global_rank) == 0 else None
+
+    def checkpoint_part_to_load(self, global_rank: int) -> str:
+        return f"stage_{self.layout.stage_of(global_rank)}"
+
+    def write_checkpoint_meta(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"format": CHECKPOINT_FORMAT, **self.meta()}, indent=2, sort_keys=True)
+        (directory / META_FILE).write_text(text)
+
+    def check_checkpoint_meta(self, directory: Path) -> None:
+        path = Path(directory) / META_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{self.owner}: {directory} is not a layerwise (DGL) checkpoint folder (no {META_FILE}); it holds "
+                "one stage_<s>.pt per stage plus meta.json."
+            )
+        saved = json.loads(path.read_text())
+        current = self.meta()
+        for key in _MUST_MATCH:
+            if current.get(key) is not None and saved.get(key) != current[key]:
+                raise ValueError(
+                    f"{self.owner}: the checkpoint at {directory} was saved with {key}={saved.get(key)!r}, this run "
+                    f"has {key}={current[key]!r}. Resume with the same split (num_stages / boundaries) and aux_head."
+                )
