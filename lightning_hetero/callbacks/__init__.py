@@ -2,12 +2,14 @@
 
 from lightning_hetero.callbacks.comm_monitor import CommunicationMonitor
 from lightning_hetero.callbacks.eval_report import ValidationReport
+from lightning_hetero.callbacks.layerwise import GreedyLayerwise
 from lightning_hetero.callbacks.subspace_export import SubspaceDenseExport
 from lightning_hetero.callbacks.subspace_rank import SubspaceRankMonitor
 from lightning_hetero.callbacks.tiers import MatFormerSampler, TierEvaluation, TierExport
 
 __all__ = [
     "CommunicationMonitor",
+    "GreedyLayerwise",
     "MatFormerSampler",
     "SubspaceDenseExport",
     "SubspaceRankMonitor",
