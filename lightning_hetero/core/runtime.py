@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hetero.core.checkpoint_dir import load_part
+
 __all__ = ["StrategyRuntime", "WorldLayout", "process_rank_and_size", "runtime_arguments"]
 
 
@@ -108,3 +110,12 @@ class StrategyRuntime:
     def check_checkpoint_meta(self, directory: Path) -> None:
         """Directory checkpoints: raise a clear error if ``directory`` cannot resume this run."""
         raise NotImplementedError
+
+    def load_checkpoint_part(self, directory: Path, global_rank: int, map_location: Any = "cpu") -> dict[str, Any]:
+        """Directory checkpoints: what this rank restores (checked with :meth:`check_checkpoint_meta` first).
+
+        The default loads :meth:`checkpoint_part_to_load`; a strategy that can resume on another world size
+        overrides it to rebuild the part from the saved ones (FlexDeMo re-cuts its shards).
+        """
+        self.check_checkpoint_meta(directory)
+        return load_part(directory, self.checkpoint_part_to_load(global_rank), map_location=map_location)

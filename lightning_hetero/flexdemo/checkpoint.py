@@ -8,8 +8,10 @@ Layout of ``<path>/`` (``path`` is what the Trainer/Fabric was asked to save to,
 
 Every file is a plain ``torch.save`` of tensors that are not DTensors, so loading needs no process group and no
 DCP. Replicas hold identical copies, so the files of replica ``r > 0`` duplicate replica 0's parameters; they are
-kept because per-rank optimizer state (error feedback) differs between replicas. Resuming needs the same world size
-and shard size (the shards are not re-cut).
+kept because per-rank optimizer state (error feedback) differs between replicas. A run with the same world size and
+shard size loads its own rank's file; a run with another layout (more or fewer nodes or ranks per node, another
+shard size) rebuilds its part from all of them (:mod:`lightning_hetero.flexdemo.reshard`, which states the rule
+for a changed replica count).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
+from lightning_hetero.core.checkpoint_dir import load_part
+from lightning_hetero.flexdemo.reshard import SavedLayout, TargetLayout, load_resharded_part
 from lightning_hetero.flexdemo.topology import Topology
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "full_state_dict",
     "is_sharded_checkpoint",
     "load_local_module_state",
+    "load_rank_part",
     "local_module_state",
     "rank_file",
     "read_meta",
@@ -64,10 +69,11 @@ def make_meta(module: nn.Module, topology: Topology) -> dict[str, Any]:
 
 
 def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any]:
-    """Read and check ``meta.pt`` against the running layout.
+    """Read and check ``meta.pt`` (any saved layout is accepted: another one is re-cut on load).
 
     Raises:
-        ValueError: not a FlexDeMo checkpoint, or saved with another world size or shard size.
+        ValueError: not a FlexDeMo checkpoint, or a saved layout that cannot exist (shard size not dividing the
+            world size).
     """
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
@@ -75,14 +81,50 @@ def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any
     meta = torch.load(meta_path, weights_only=True)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{owner}: {meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}.")
-    saved = (meta["world_size"], meta["shard_size"])
-    if saved != (topology.world_size, topology.shard_size):
-        raise ValueError(
-            f"{owner}: the checkpoint {path} was saved by {saved[0]} ranks with shard_size={saved[1]}, but this run "
-            f"has {topology.world_size} ranks with shard_size={topology.shard_size}. Resume with the same layout "
-            "(shards are not re-cut)."
-        )
+    world_size, shard_size = int(meta["world_size"]), int(meta["shard_size"])
+    if world_size < 1 or shard_size < 1 or world_size % shard_size:
+        raise ValueError(f"{owner}: {meta_path} records world_size={world_size}, shard_size={shard_size}: damaged.")
     return meta
+
+
+def load_rank_part(
+    path: str | Path,
+    topology: Topology,
+    module: nn.Module | None,
+    params: list[Tensor],
+    owner: str,
+    map_location: Any = "cpu",
+) -> dict[str, Any]:
+    """This rank's part of the checkpoint at ``path``: its own file, or one re-cut from a run with another layout.
+
+    Args:
+        path: The checkpoint directory.
+        topology: This run's layout.
+        module: The live sharded module (needed only when the layout changed).
+        params: The live optimizer's parameters in ``param_groups`` order (empty without an optimizer).
+        owner: Strategy name for messages.
+        map_location: Where the tensors of an unchanged layout's own part go (a re-cut part is on the CPU).
+
+    Raises:
+        ValueError: not a FlexDeMo checkpoint; or the layout changed and the model differs from the saved one
+            (the message names the entry), or no module is set up yet.
+    """
+    meta = read_meta(path, topology, owner)
+    saved = SavedLayout(int(meta["world_size"]), int(meta["shard_size"]))
+    if (saved.world_size, saved.shard_size) == (topology.world_size, topology.shard_size):
+        return load_part(path, rank_file(".", topology.rank).stem, map_location=map_location)
+    if module is None:
+        raise ValueError(f"{owner}: re-cutting the checkpoint {path} for a new layout needs the model set up first.")
+    shapes = {name: list(value.shape) for name, value in module.state_dict().items() if isinstance(value, Tensor)}
+    if shapes != meta["shapes"]:
+        different = sorted(n for n in set(shapes) | set(meta["shapes"]) if shapes.get(n) != meta["shapes"].get(n))
+        raise ValueError(
+            f"{owner}: the checkpoint {path} holds another model (entries that differ: {different[:8]}); resume with "
+            "the model that saved it."
+        )
+    target = TargetLayout(topology.num_replicas, topology.replica_index, topology.shard_size, topology.shard_index)
+    names = [rank_file(".", rank).stem for rank in range(saved.world_size)]
+    return load_resharded_part(path, names, saved, target, meta["shapes"], module, params)
 
 
 def local_module_state(module: nn.Module) -> dict[str, Any]:

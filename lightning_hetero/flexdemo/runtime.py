@@ -300,3 +300,8 @@ class FlexDeMoRuntime(StrategyRuntime):
 
     def check_checkpoint_meta(self, directory: Path) -> None:
         ckpt.read_meta(directory, self.topology, self.owner)
+
+    def load_checkpoint_part(self, directory: Path, global_rank: int, map_location: Any = "cpu") -> dict[str, Any]:
+        """This rank's part; a checkpoint of another layout (world size, shard size) is re-cut for this one."""
+        params = [] if self.optimizer is None else [p for g in self.optimizer.param_groups for p in g["params"]]
+        return ckpt.load_rank_part(directory, self.topology, self.module, params, self.owner, map_location)

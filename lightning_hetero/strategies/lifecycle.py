@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import StrategyRuntime, WorldLayout, load_part, remove_checkpoint, write_part
+from lightning_hetero.core import StrategyRuntime, WorldLayout, remove_checkpoint, write_part
 
 __all__ = ["FabricStrategyBase", "TrainerStrategyBase", "destroy_process_group_at_exit"]
 
@@ -100,10 +100,8 @@ class _RuntimeLifecycle:
         self.barrier("lightning_hetero_checkpoint_saved")  # type: ignore[attr-defined]
 
     def _load_directory_checkpoint(self, path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-        directory = Path(path)
-        self.runtime.check_checkpoint_meta(directory)
-        part = self.runtime.checkpoint_part_to_load(self.global_rank)  # type: ignore[attr-defined]
-        return load_part(directory, part, map_location=map_location)
+        rank = self.global_rank  # type: ignore[attr-defined]
+        return self.runtime.load_checkpoint_part(Path(path), rank, map_location=map_location)
 
     def _with_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """``state`` plus the runtime's extra state (collective: every rank calls it)."""
