@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
 UNTHROTTLED = "unthrottled"
 VARIANTS = ["plain", "int8"] + [f"ssn{r}-{dtype}" for r in (16, 32, 64) for dtype in ("fp32", "bf16")]
 
@@ -142,8 +143,11 @@ def run_under_testbed(variant: str, bandwidth: str, args: argparse.Namespace, ou
         "--out",
         str(out),
     ]
-    for name in ("preset", "steps", "warmup", "batch_size", "seq_len", "microbatches", "schedule", "val_batches"):
+    for name in ("preset", "warmup", "batch_size", "seq_len", "microbatches", "schedule", "val_batches"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    # Loss does not depend on the link: throttled runs only need enough steps for a stable median step time.
+    steps = args.steps if bandwidth == UNTHROTTLED or not args.speed_steps else args.speed_steps
+    command += ["--steps", str(steps)]
     command += ["--learning-rate", str(args.learning_rate)]
     start = time.perf_counter()
     completed = subprocess.run(command, cwd=out_dir, capture_output=True, text=True)
@@ -152,6 +156,73 @@ def run_under_testbed(variant: str, bandwidth: str, args: argparse.Namespace, ou
     summary = json.loads(out.read_text())
     summary.update(bandwidth=bandwidth, wall_s=time.perf_counter() - start)
     return summary
+
+
+def compare_with_plain(results: dict[str, Any], stages: int) -> None:
+    """Ratios against the plain pipeline at the same bandwidth, and R of the plain pipeline per bandwidth.
+
+    R = (plain's bytes per boundary and direction per step / bandwidth) / (plain's step time on unthrottled links),
+    the latter an upper bound on its compute time (so R is a lower bound). Needs an unthrottled plain run.
+    """
+    from lightning_hetero.comm.operating_point import operating_point
+
+    plain = {run["bandwidth"]: run for run in results["runs"] if run["variant"] == "plain"}
+    for run in results["runs"]:
+        base = plain.get(run["bandwidth"])
+        if base is not None:
+            run["bytes_reduction_vs_plain"] = base["pipeline_bytes_per_step"] / run["pipeline_bytes_per_step"]
+            run["speedup_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
+            if run["tokens"] == base["tokens"]:
+                run["val_loss_vs_plain"] = run["val_loss"] / base["val_loss"] - 1.0
+    unthrottled = plain.get(UNTHROTTLED)
+    if unthrottled is None:
+        return
+    results["operating_point"] = {}
+    for bandwidth, run in plain.items():
+        if bandwidth != UNTHROTTLED:
+            per_link = run["pipeline_bytes_per_step"] / (2 * (stages - 1))  # each boundary, each direction
+            point = operating_point(per_link, bandwidth, unthrottled["median_step_s"])
+            results["operating_point"][bandwidth] = point.as_dict()
+
+
+def write_headline(results: dict[str, Any]) -> None:
+    """The ``subspace`` section of docs/results/headline.json.
+
+    ``tok_s_ratio_80mbit`` with the R of that link, the best subspace variant at the slowest bandwidth with R >= 10
+    (if measured), and the loss gap at equal tokens from the unthrottled (longest) runs.
+    """
+    from headline import update_headline
+
+    points = results.get("operating_point", {})
+    subspace = [run for run in results["runs"] if run["variant"].startswith("ssn")]
+    quality = {
+        run["variant"]: run for run in subspace if run["bandwidth"] == UNTHROTTLED and "val_loss_vs_plain" in run
+    }
+    values: dict[str, Any] = {"results": "docs/results/bench_subspace_linkbound/results.json"}
+    for label, bandwidth in (("80mbit", "80mbit"), ("R10", None)):
+        if bandwidth is None:
+            ok = [bw for bw, point in points.items() if point["ratio"] >= 10]
+            if not ok:
+                continue
+            bandwidth = min(ok, key=lambda bw: points[bw]["ratio"])
+        runs = [run for run in subspace if run["bandwidth"] == bandwidth and "speedup_vs_plain" in run]
+        if not runs or bandwidth not in points:
+            continue
+        best = max(runs, key=lambda run: run["speedup_vs_plain"])
+        if label == "80mbit":
+            values.update(R=points[bandwidth]["ratio"], tok_s_ratio_80mbit=round(best["speedup_vs_plain"], 2))
+            values["variant_80mbit"] = best["variant"]
+        else:
+            values.update(
+                R_at_R10=points[bandwidth]["ratio"], bandwidth_at_R10=bandwidth, variant_at_R10=best["variant"]
+            )
+            values["tok_s_ratio_at_R10"] = round(best["speedup_vs_plain"], 2)
+        chosen = quality.get(best["variant"])
+        if chosen is not None:
+            values[f"val_loss_gap_pct_{label}"] = round(100 * chosen["val_loss_vs_plain"], 2)
+            values["quality_tokens"] = chosen["tokens"]
+    values["val_loss_gap_pct"] = values.get("val_loss_gap_pct_R10", values.get("val_loss_gap_pct_80mbit"))
+    update_headline("subspace", values)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -195,6 +266,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages = testbed nodes")
     parser.add_argument("--preset", default="llama-tiny")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (equal tokens for every variant)")
+    parser.add_argument("--speed-steps", type=int, help="steps of the throttled runs (default: --steps)")
+    parser.add_argument("--headline", action="store_true", help="write the subspace section of headline.json")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing statistics")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -230,13 +303,9 @@ def main() -> None:
                 f"{run['pipeline_bytes_per_step']:.0f} B/step, val loss {run['val_loss']:.4f}",
                 file=sys.stderr,
             )
-    plain = {run["bandwidth"]: run for run in results["runs"] if run["variant"] == "plain"}
-    for run in results["runs"]:
-        base = plain.get(run["bandwidth"])
-        if base is not None:
-            run["bytes_reduction_vs_plain"] = base["pipeline_bytes_per_step"] / run["pipeline_bytes_per_step"]
-            run["speedup_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
-            run["val_loss_vs_plain"] = run["val_loss"] / base["val_loss"] - 1.0
+    compare_with_plain(results, args.stages)
+    if args.headline:
+        write_headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir / "bytes_and_throughput.png")
     keys = ("variant", "bandwidth", "tokens_per_s", "pipeline_bytes_per_step", "val_loss", "bytes_reduction_vs_plain",
