@@ -164,7 +164,7 @@ def compare_with_plain(results: dict[str, Any], stages: int) -> None:
     R = (plain's bytes per boundary and direction per step / bandwidth) / (plain's step time on unthrottled links),
     the latter an upper bound on its compute time (so R is a lower bound). Needs an unthrottled plain run.
     """
-    from lightning_hetero.comm.operating_point import operating_point
+    from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio
 
     plain = {run["bandwidth"]: run for run in results["runs"] if run["variant"] == "plain"}
     for run in results["runs"]:
@@ -177,6 +177,13 @@ def compare_with_plain(results: dict[str, Any], stages: int) -> None:
     unthrottled = plain.get(UNTHROTTLED)
     if unthrottled is None:
         return
+    compute = {run["variant"]: run["median_step_s"] for run in results["runs"] if run["bandwidth"] == UNTHROTTLED}
+    for run in results["runs"]:
+        if run["bandwidth"] != UNTHROTTLED and run["variant"] in compute:
+            # step / max(compute, busiest link bytes / bandwidth); compute = its unthrottled step (an upper bound)
+            per_link = run["pipeline_bytes_per_step"] / (2 * (stages - 1))
+            ratio = physical_limit_ratio(run["median_step_s"], compute[run["variant"]], per_link, run["bandwidth"])
+            run["step_over_physical_limit"] = round(ratio, 2)
     results["operating_point"] = {}
     for bandwidth, run in plain.items():
         if bandwidth != UNTHROTTLED:
