@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,8 +15,16 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import PeerPayloadError
 
-__all__ = ["all_gather_json", "average_gradients", "broadcast_module_state", "clip_grad_norm_over_group"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "all_gather_json",
+    "decode_json_payload",
+    "average_gradients",
+    "broadcast_module_state",
+    "clip_grad_norm_over_group",
+]
 
 
 @torch.no_grad()
@@ -65,21 +73,89 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any, label: str
             offset += count
 
 
-def all_gather_json(payload: Any, world_size: int, device: torch.device, label: str = comm.INTER) -> list[Any]:
-    """Every rank's JSON-serializable ``payload`` (lengths first, then padded UTF-8 bytes; no pickle)."""
+MAX_JSON_BYTES = 1 << 20
+"""Default bound on one rank's JSON document in :func:`all_gather_json` (setup agreement needs a few KiB)."""
+
+JsonSchema = Mapping[str, type | tuple[type, ...]]
+"""Expected top-level keys of a JSON document and the Python types each value may have."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None) -> Any:
+    """Parse rank ``rank``'s UTF-8 JSON bytes and check them against ``schema`` (never pickle, never eval).
+
+    Args:
+        raw: The bytes as received.
+        rank: The sender, named in the error.
+        schema: When given, the document must be an object with exactly these keys, each value of the given
+            type(s) (``type(None)`` allows null).
+
+    Raises:
+        PeerPayloadError: Not UTF-8, not JSON (NaN/Infinity constants included), or not of the schema.
+    """
+    try:
+        value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise PeerPayloadError(f"rank {rank} sent a setup document that is not JSON: {error}", rank) from None
+    if schema is None:
+        return value
+    if not isinstance(value, dict) or set(value) != set(schema):
+        keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise PeerPayloadError(
+            f"rank {rank} sent a setup document with keys {keys}, expected {sorted(schema)} (a different version"
+            " or configuration of lightning-hetero on that rank?).",
+            rank,
+        )
+    for key, expected in schema.items():
+        if isinstance(value[key], bool) and expected in (int, float):
+            expected = ()  # bool is an int subclass, never what a numeric field means
+        if not isinstance(value[key], expected):
+            raise PeerPayloadError(
+                f"rank {rank} sent {key}={str(value[key])[:80]!r} of type {type(value[key]).__name__} in its setup"
+                f" document, expected {expected}.",
+                rank,
+            )
+    return value
+
+
+def all_gather_json(
+    payload: Any,
+    world_size: int,
+    device: torch.device,
+    label: str = comm.INTER,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    schema: JsonSchema | None = None,
+) -> list[Any]:
+    """Every rank's JSON-serializable ``payload`` (lengths first, then padded UTF-8 bytes; no pickle).
+
+    Every rank checks every announced length against ``max_bytes`` before allocating (the same lengths everywhere,
+    so every rank raises together) and parses each document with :func:`decode_json_payload` against ``schema``.
+
+    Raises:
+        PeerPayloadError: A length outside ``[0, max_bytes]`` or a document that is not JSON of the schema.
+    """
     data = torch.tensor(list(json.dumps(payload, sort_keys=True, default=str).encode()), dtype=torch.uint8)
     if world_size == 1:
-        return [json.loads(bytes(data.tolist()).decode())]
+        return [decode_json_payload(bytes(data.tolist()), 0, schema)]
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(lengths, length, label=label)
+    for rank, announced in enumerate(lengths.tolist()):
+        if not 0 <= announced <= max_bytes:
+            raise PeerPayloadError(
+                f"rank {rank} announced a {announced}-byte setup document; the bound is {max_bytes} bytes.", rank
+            )
     size = int(lengths.max())
     padded = torch.zeros(size, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data.to(device)
     everything = torch.empty(world_size * size, dtype=torch.uint8, device=device)
     comm.all_gather_into_tensor(everything, padded, label=label)
     rows = everything.view(world_size, size).cpu()
-    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(world_size)]
+    return [decode_json_payload(bytes(rows[r, : int(lengths[r])].tolist()), r, schema) for r in range(world_size)]
 
 
 @torch.no_grad()

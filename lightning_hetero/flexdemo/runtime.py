@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, clip_grad_norm_over_group, process_rank_and_size
 from lightning_hetero.flexdemo import checkpoint as ckpt
 from lightning_hetero.flexdemo.conversion import convert_optimizer
@@ -57,6 +58,9 @@ class FlexDeMoRuntime(StrategyRuntime):
         overlap: Launch each block's inter-node exchange during backward, as soon as its gradients are final.
         activation_checkpointing: Recompute each block's activations in backward.
         block_classes: Class names of the blocks to shard (default: found from the model).
+        on_bad_payload: ``"raise"`` (default): a corrupt replica payload (index out of range, NaN/Inf) stops
+            training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError`; ``"drop"``: it is left
+            out of the combination and logged.
         owner: Class name used in messages.
     """
 
@@ -73,9 +77,11 @@ class FlexDeMoRuntime(StrategyRuntime):
         overlap: bool = True,
         activation_checkpointing: bool = False,
         block_classes: list[str] | None = None,
+        on_bad_payload: str = "raise",
         owner: str = "FlexDeMoStrategy",
     ) -> None:
         self.owner = owner
+        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
         if replicator_options is not None and not isinstance(replicator_options, Mapping):
             raise ValueError(f"{owner}(replicator_options={replicator_options!r}): give a dict of keyword arguments.")
         self.replicator_name = replicator
@@ -124,7 +130,9 @@ class FlexDeMoRuntime(StrategyRuntime):
     # ------------------------------------------------------------------------------------------------ config
     def make_replicator(self) -> Any:
         """A fresh replicator from the strategy's arguments (one per converted optimizer)."""
-        return build_replicator(self.replicator_name, self.compression, **self.replicator_options)
+        replicator = build_replicator(self.replicator_name, self.compression, **self.replicator_options)
+        replicator.set_bad_payload_policy(getattr(self, "on_bad_payload", "raise"))
+        return replicator
 
     def resolve_world(self, world_size: int, ranks_per_node: int) -> int:
         """Check ``shard_size`` against the launch layout (before processes start); returns the shard size."""
@@ -191,6 +199,7 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.optimizer is not None:
             raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
         converted, self.conversion = convert_optimizer(optimizer, self.make_replicator, self.owner)
+        converted.replicator.set_bad_payload_policy(self.on_bad_payload)  # also a user-built replicator
         converted.bind(self.topology.replicate_group)
         self.optimizer = converted
         owned = {id(p) for group in converted.param_groups for p in group["params"]}

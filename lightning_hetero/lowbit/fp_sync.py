@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
-from lightning_hetero.lowbit.sparse import all_gather_messages, select_sparse
-from lightning_hetero.lowbit.wire import decode_sparse, encode_sparse
+from lightning_hetero.comm.validation import validate_on_bad_payload
+from lightning_hetero.lowbit.sparse import all_gather_messages, decode_lists, select_sparse
+from lightning_hetero.lowbit.wire import encode_sparse
 
 __all__ = ["SparseGradientAverage"]
 
@@ -33,13 +34,24 @@ class SparseGradientAverage:
         encoding: Value encoding of the lists (``"fp32"``, ``"bf16"``, ...).
         label: Ledger label.
         group: Process group (default WORLD).
+        on_bad_payload: ``"raise"``: a corrupt peer list raises
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every rank; ``"drop"``: it is left out
+            and the average is taken over the other ranks (logged, counted in ``dropped_payloads``).
     """
 
     def __init__(
-        self, numel: int, density: float, encoding: str = "bf16", label: str = comm.INTER, group: Any = None
+        self,
+        numel: int,
+        density: float,
+        encoding: str = "bf16",
+        label: str = comm.INTER,
+        group: Any = None,
+        on_bad_payload: str = "raise",
     ) -> None:
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}.")
+        self.on_bad_payload = validate_on_bad_payload(type(self).__name__, on_bad_payload)
+        self.dropped_payloads = 0
         self.numel, self.density, self.encoding, self.label, self.group = numel, density, encoding, label, group
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
@@ -59,16 +71,20 @@ class SparseGradientAverage:
         messages = (
             [message]
             if n == 1
-            else all_gather_messages(message, n, self.numel, self.encoding, label=self.label, group=self.group)
+            else all_gather_messages(
+                message, n, self.numel, self.encoding, self.on_bad_payload, label=self.label, group=self.group
+            )
         )
+        dropped_before = self.dropped_payloads
+        lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)
         total = torch.zeros(self.numel, dtype=torch.float32)
-        for index, raw in enumerate(messages):
-            sent_indices, sent_values = decode_sparse(raw, self.numel, self.encoding)
+        for index, (sent_indices, sent_values) in enumerate(lists):
             total.index_add_(0, sent_indices, sent_values)
             if index == rank:
                 self.residual = corrected.clone()
                 self.residual.index_add_(0, sent_indices, -sent_values)
-        return (total / n).to(grad.device)
+        contributors = max(n - (self.dropped_payloads - dropped_before), 1)  # the mean of the lists kept
+        return (total / contributors).to(grad.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's residual."""

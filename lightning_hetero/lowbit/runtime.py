@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import (
     StrategyRuntime,
     WorldLayout,
@@ -76,6 +77,9 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             step's, so every code's gradient is eventually heard (4 bytes per code per rank; saved in checkpoints).
         fp_density: None: the fp gradients are averaged densely (as DDP). A fraction in (0, 1]: each rank sends
             only that fraction of them as a sparse list, with error feedback (:mod:`~lightning_hetero.lowbit.fp_sync`).
+        on_bad_payload: ``"raise"`` (default): a corrupt peer list (index out of range, NaN/Inf, wrong length)
+            stops training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every rank;
+            ``"drop"``: it is left out of the step (logged).
         owner: Class name used in messages.
     """
 
@@ -106,9 +110,11 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
         on_nonfinite: str = "raise",
         error_feedback: bool = True,
         fp_density: float | None = None,
+        on_bad_payload: str = "raise",
         owner: str = "SparseFlipStrategy",
     ) -> None:
         self.owner = owner
+        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
         check_arguments(
             owner,
             kind=kind,
@@ -235,10 +241,13 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             label=comm.INTER,
             group=group,
             rule=self.rule,
+            on_bad_payload=self.on_bad_payload,
         )
         if self.fp_density is not None:
             numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-            self.fp_sync = SparseGradientAverage(numel, self.fp_density, self.encoding, comm.INTER, group)
+            self.fp_sync = SparseGradientAverage(
+                numel, self.fp_density, self.encoding, comm.INTER, group, self.on_bad_payload
+            )
         self.module, self.layout = module, layout
         if self._pending_entry is not None:  # a checkpoint loaded before setup
             entry, self._pending_entry = self._pending_entry, None

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm import codecs
+from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
 from lightning_hetero.lowbit.flip import topk_moves
 from lightning_hetero.lowbit.wire import (
     HEADER_BYTES,
@@ -46,7 +47,9 @@ from lightning_hetero.lowbit.wire import (
 
 __all__ = [
     "EXCHANGE_MODES",
+    "REFUSED",
     "all_gather_messages",
+    "decode_lists",
     "SparseFlipExchange",
     "aggregate_flips",
     "exchange_bytes",
@@ -54,6 +57,8 @@ __all__ = [
 ]
 
 EXCHANGE_MODES: tuple[str, ...] = ("server", "allgather")
+REFUSED = 0xFFFFFFFF
+"""Flip-set header count the server broadcasts when it refused a worker's list: every rank then raises."""
 
 
 def select_sparse(
@@ -132,28 +137,70 @@ def exchange_bytes(
     ]
 
 
-def all_gather_messages(message: torch.Tensor, n: int, numel: int, encoding: str, **kwargs: Any) -> list[torch.Tensor]:
+def all_gather_messages(
+    message: torch.Tensor, n: int, numel: int, encoding: str, on_bad_payload: str = "raise", **kwargs: Any
+) -> list[torch.Tensor]:
     """Every rank's sparse message (headers first, then the bodies zero-padded to the longest; counted).
 
+    A header that announces more entries than ``numel`` is refused the same way on every rank (they all see the same
+    headers): ``on_bad_payload="raise"`` raises; ``"drop"`` sizes that rank's body as empty and hands back its bare
+    header bytes with the count, which :func:`decode_lists` then refuses (and drops).
+
     Raises:
-        ValueError: a header announces more entries than ``numel``.
+        PeerPayloadError: a header announces more entries than ``numel`` (``on_bad_payload="raise"``).
     """
     headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(n)]
     comm.all_gather(headers, message[:HEADER_BYTES].clone(), **kwargs)
     sizes = []
-    for header in headers:
+    for rank, header in enumerate(headers):
         count = read_count(header)
         if count > numel:
-            raise ValueError(f"sparse message header: count {count} exceeds numel {numel}.")
+            error = PeerPayloadError(f"sparse message header from rank {rank}: count {count} exceeds numel {numel}.")
+            if on_bad_payload != "drop":
+                raise error
+            sizes.append(HEADER_BYTES)  # sized as empty; decode_lists refuses the header itself
+            continue
         sizes.append(sparse_message_nbytes(count, numel, encoding))
     longest = max(sizes) - HEADER_BYTES
     if longest == 0:
         return headers
     body = torch.zeros(longest, dtype=torch.uint8)
-    body[: message.numel() - HEADER_BYTES] = message[HEADER_BYTES:]
+    mine = min(message.numel() - HEADER_BYTES, longest)  # a corrupt own header must not break the collective
+    body[:mine] = message[HEADER_BYTES : HEADER_BYTES + mine]
     bodies = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
     comm.all_gather(bodies, body, **kwargs)
     return [torch.cat((h, b[: s - HEADER_BYTES])) for h, b, s in zip(headers, bodies, sizes, strict=True)]
+
+
+def decode_lists(
+    messages: Sequence[torch.Tensor],
+    numel: int,
+    encoding: str,
+    on_bad_payload: str = "raise",
+    owner: object = None,
+    ranks: Sequence[int] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Decode every rank's sparse message; a refused one raises, or under ``"drop"`` becomes an empty list (logged).
+
+    Args:
+        messages: One message per rank, rank order.
+        numel: Codes of the flat space.
+        encoding: Value encoding of the lists.
+        on_bad_payload: ``"raise"`` or ``"drop"``.
+        owner: Object whose ``dropped_payloads`` counter a drop increments.
+        ranks: The sender of each message (default: its position).
+    """
+    lists = []
+    for position, raw in enumerate(messages):
+        peer = position if ranks is None else ranks[position]
+        try:
+            lists.append(decode_sparse(raw, numel, encoding, peer=peer))
+        except PeerPayloadError as error:
+            if on_bad_payload != "drop":
+                raise
+            report_dropped(error, f"rank {peer}'s sparse list left out of this step", owner)
+            lists.append((torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)))
+    return lists
 
 
 # ------------------------------------------------------------------------------------------------ the exchange
@@ -173,6 +220,10 @@ class SparseFlipExchange:
         ledger: Ledger to record into (default: the process-global one).
         rule: ``rule(mean_gradient, codes) -> (indices, directions)`` deciding the flips (e.g.
             :class:`~lightning_hetero.lowbit.rules.BopRule`); None: the top-``k`` of the summed lists.
+        on_bad_payload: ``"raise"``: a corrupt list (index out of range, NaN/Inf, wrong length) raises
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every rank; ``"drop"``: it is left out
+            (logged, counted in ``dropped_payloads``). A header that cannot be sized in server mode always raises
+            (the body that follows it cannot be skipped).
     """
 
     def __init__(
@@ -188,7 +239,10 @@ class SparseFlipExchange:
         group: Any | None = None,
         ledger: comm.ByteLedger | None = None,
         rule: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        on_bad_payload: str = "raise",
     ) -> None:
+        self.on_bad_payload = validate_on_bad_payload(type(self).__name__, on_bad_payload)
+        self.dropped_payloads = 0
         if mode not in EXCHANGE_MODES:
             raise ValueError(f"mode must be one of {list(EXCHANGE_MODES)}, got {mode!r}.")
         if (tau is None) == (density is None):
@@ -246,7 +300,7 @@ class SparseFlipExchange:
         if n == 1 or self.mode == "allgather":
             messages = self._all_gather(message, n, kwargs) if n > 1 else [message]
             self.last_message_nbytes = [m.numel() for m in messages]
-            lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
+            lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)
             flips = encode_flips(*self._decide(lists, codes, n), self.numel)
             self.last_bytes = exchange_bytes(self.last_message_nbytes, flips.numel(), "allgather")[rank]
         else:
@@ -257,16 +311,21 @@ class SparseFlipExchange:
             else:
                 self.last_bytes = (message.numel(), flips.numel())
         self.last_flips_nbytes = flips.numel()
-        return decode_flips(flips, self.numel)
+        return decode_flips(flips, self.numel, peer=self.server if self.mode == "server" and n > 1 else None)
 
     def _all_gather(self, message: torch.Tensor, n: int, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        return all_gather_messages(message, n, self.numel, self.encoding, **kwargs)
+        return all_gather_messages(message, n, self.numel, self.encoding, self.on_bad_payload, **kwargs)
 
-    def _size_from_header(self, header: torch.Tensor) -> int:
+    def _size_from_header(self, header: torch.Tensor, src: int) -> int:
         count = read_count(header)
         if count > self.numel:
-            raise ValueError(f"sparse message header: count {count} exceeds numel {self.numel}.")
+            raise PeerPayloadError(f"sparse message header from rank {src}: count {count} exceeds numel {self.numel}.")
         return sparse_message_nbytes(count, self.numel, self.encoding)
+
+    def _refuse_to_workers(self, error: PeerPayloadError, server: int, kwargs: dict[str, Any]) -> None:
+        """Server: tell every worker that this step is refused (so none waits for flips), then raise ``error``."""
+        comm.broadcast(torch.tensor([0xFF] * HEADER_BYTES, dtype=torch.uint8), server, **kwargs)
+        raise error
 
     def _via_server(
         self, message: torch.Tensor, rank: int, n: int, codes: torch.Tensor, kwargs: dict[str, Any]
@@ -284,18 +343,29 @@ class SparseFlipExchange:
                     continue
                 header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
                 comm.recv(header, self._global(src), **kwargs)
-                body = torch.empty(self._size_from_header(header) - HEADER_BYTES, dtype=torch.uint8)
+                try:
+                    size = self._size_from_header(header, src)
+                except PeerPayloadError as error:  # the body that follows cannot be sized, so it cannot be skipped
+                    self._refuse_to_workers(error, server, kwargs)
+                body = torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
                 if body.numel():
                     comm.recv(body, self._global(src), **kwargs)
                 messages.append(torch.cat((header, body)))
             self.last_message_nbytes = [m.numel() for m in messages]
-            lists = [decode_sparse(m, self.numel, self.encoding) for m in messages]
+            try:
+                lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)
+            except PeerPayloadError as error:
+                self._refuse_to_workers(error, server, kwargs)
             flips = encode_flips(*self._decide(lists, codes, n), self.numel)
         header = flips[:HEADER_BYTES].clone() if rank == self.server else torch.empty(HEADER_BYTES, dtype=torch.uint8)
         comm.broadcast(header, server, **kwargs)
+        if read_count(header) == REFUSED:
+            raise PeerPayloadError(
+                f"the flip server (rank {server}) refused a corrupt sparse list this step (see its error); no flips."
+            )
         size = flip_message_nbytes(read_count(header), self.numel) if read_count(header) <= self.numel else -1
         if size < 0:
-            raise ValueError("flip message header: count exceeds numel.")
+            raise PeerPayloadError(f"flip message header from the server (rank {server}): count exceeds numel.", server)
         body = (
             flips[HEADER_BYTES:].clone() if rank == self.server else torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
         )

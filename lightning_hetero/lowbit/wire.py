@@ -21,6 +21,7 @@ list). Direction bits: bit ``i % 8`` of byte ``i // 8`` set means ``-1``. Decode
 length, count above ``numel``, block count above its block's size or block counts not summing to ``count``, index out
 of range or not strictly increasing (within a block: offsets strictly increasing and inside the block), non-canonical
 padding, invalid ternary code, NaN/Inf value or a negative / non-finite scale: nothing is ever applied silently.
+They raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` (a ``ValueError``) naming the sending rank.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from lightning_hetero.comm import codecs
+from lightning_hetero.comm.validation import PeerPayloadError
 
 __all__ = [
     "BLOCK",
@@ -223,16 +225,38 @@ def _check_low_bit_values(raw: torch.Tensor, count: int, encoding: str, what: st
         raise ValueError(f"{what}: invalid ternary code 3.")
 
 
-def decode_sparse(data: torch.Tensor, numel: int, encoding: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+def _refuse(what: str, peer: int | None, error: ValueError) -> PeerPayloadError:
+    source = what if peer is None else f"{what} from rank {peer}"
+    return PeerPayloadError(f"{source} refused: {error}", peer)
+
+
+def decode_sparse(
+    data: torch.Tensor, numel: int, encoding: str = "bf16", *, peer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode and validate :func:`encode_sparse` bytes.
+
+    Args:
+        data: The message (``uint8``).
+        numel: Codes of the flat space the indices address.
+        encoding: Value encoding the sender used.
+        peer: The sending rank, named in the error.
 
     Returns:
         ``(indices int64 ascending, values float32)``.
 
     Raises:
-        ValueError: Any malformed input (see the module docstring); nothing is returned for it.
+        PeerPayloadError: Any malformed input (see the module docstring); nothing is returned for it.
     """
     encoding = codecs.validate_value_encoding(encoding)
+    try:
+        return _decode_sparse(data, numel, encoding)
+    except PeerPayloadError:
+        raise
+    except ValueError as error:
+        raise _refuse("sparse message", peer, error) from None
+
+
+def _decode_sparse(data: torch.Tensor, numel: int, encoding: str) -> tuple[torch.Tensor, torch.Tensor]:
     data = _check_bytes(data, "sparse message")
     count = read_count(data)
     _check_length(data, count, numel, sparse_message_nbytes(count, numel, encoding), "sparse message")
@@ -261,8 +285,21 @@ def encode_flips(indices: torch.Tensor, directions: torch.Tensor, numel: int) ->
     return torch.cat((_u32(indices.numel()), _pack_idx(indices, numel), body))
 
 
-def decode_flips(data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode and validate :func:`encode_flips` bytes into ``(indices int64, directions int8)``."""
+def decode_flips(data: torch.Tensor, numel: int, *, peer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode and validate :func:`encode_flips` bytes into ``(indices int64, directions int8)``.
+
+    Raises:
+        PeerPayloadError: Any malformed input (``peer``, the sending rank, is named in the message).
+    """
+    try:
+        return _decode_flips(data, numel)
+    except PeerPayloadError:
+        raise
+    except ValueError as error:
+        raise _refuse("flip message", peer, error) from None
+
+
+def _decode_flips(data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     data = _check_bytes(data, "flip message")
     count = read_count(data)
     _check_length(data, count, numel, flip_message_nbytes(count, numel), "flip message")

@@ -24,6 +24,7 @@ import torch
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER, ByteLedger
+from lightning_hetero.comm.validation import PeerPayloadError, check_finite, report_dropped, validate_on_bad_payload
 from lightning_hetero.matformer.region_groups import GradientExchange, RegionGroups
 from lightning_hetero.matformer.tiers import (
     HelperConfig,
@@ -108,6 +109,7 @@ def aggregate_gradients(
     label: str | None = None,
     ledger: ByteLedger | None = None,
     exchange: GradientExchange | None = None,
+    on_bad_payload: str = "raise",
 ) -> None:
     """Replace this rank's gradients in place by their per-region aggregate over the ranks that trained them.
 
@@ -131,12 +133,18 @@ def aggregate_gradients(
             into the global ledger as ``"inter"`` (use ``comm.get_ledger().capture()`` to see one call's bytes).
         exchange: The :class:`~lightning_hetero.matformer.compressed.CompressedExchange` built once at setup on
             the same groups (it holds the error-feedback buffers); required for, and only for, ``mode="demo"``.
+        on_bad_payload: A non-finite all-reduced bucket (some member sent NaN/Inf): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every member, or ``"drop"`` it (those
+            coordinates get a zero gradient this step on every member; logged). ``demo`` buckets follow the
+            exchange's own policy.
 
     Raises:
         ValueError: Missing, non-floating or wrongly sized gradients, layout mismatches, bad weights or helpers;
             ``demo`` without an exchange, with helpers, or with a custom label or ledger.
+        PeerPayloadError: A non-finite all-reduced bucket under ``on_bad_payload="raise"``.
     """
     check_mode(mode)
+    validate_on_bad_payload("aggregate_gradients", on_bad_payload)
     groups = _region_groups(layout, helpers, label)
     layout, helpers = groups.layout, groups.helpers
     demo = mode == "demo"
@@ -168,14 +176,26 @@ def aggregate_gradients(
         elif len(members) > 1:  # a single member already holds the sum
             group = groups.group(members)
             handle = comm.all_reduce(buffer, "sum", label=label, group=group, async_op=True, ledger=ledger)
-        pending.append((handle, pieces, views))
-    for handle, pieces, views in pending:
+        pending.append((handle, pieces, views, members, buffer))
+    for handle, pieces, views, members, buffer in pending:
         if handle is not None and demo:
             exchange.finish(handle, views)  # type: ignore[union-attr]
         elif handle is not None:
             handle.wait()
+            _check_reduced(buffer, members, on_bad_payload)
         for piece, view in zip(pieces, views, strict=True):
             piece.scatter(view, sign)
+
+
+def _check_reduced(buffer: torch.Tensor, members: tuple[int, ...], on_bad_payload: str) -> None:
+    """Refuse (or zero, under ``"drop"``) an all-reduced bucket holding NaN/Inf: every member sees the same sum."""
+    try:
+        check_finite(buffer, what=f"the gradient bucket all-reduced over ranks {list(members)}")
+    except PeerPayloadError as error:
+        if on_bad_payload != "drop":
+            raise
+        report_dropped(error, "zero gradient for those coordinates this step")
+        buffer.zero_()
 
 
 def _check_demo(

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import PeerPayloadError, validate_on_bad_payload
 from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, build_replicator
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.tiers import HelperConfig, TierLayout, layer_regions
@@ -55,6 +56,7 @@ CHECKPOINT_KEY = "matformer_error_feedback"
 """Checkpoint entry with every rank's error-feedback buffers."""
 CHECKPOINT_LABEL = "checkpoint"
 """Ledger label of the one-off transfer of the buffers to rank 0 when a checkpoint is saved."""
+_MAX_KEY_BYTES = 1 << 20  # bucket keys of one rank: a few dozen short strings; bounds a peer's announced size
 
 
 def build_demo_replicator(compression: float | None = None, options: Mapping[str, Any] | None = None) -> DeMoReplicator:
@@ -122,6 +124,9 @@ class CompressedExchange:
         chunk: DCT block side (default 64).
         values: Value encoding on the wire: ``"fp32"`` (default), ``"bf16"``, ``"sign"`` or ``"ternary"``.
         index_bits: 12 or 16 (default: 12 when ``chunk * chunk <= 4096``).
+        on_bad_payload: A member's payload with an out-of-block index or NaN/Inf: ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it (the bucket is decoded
+            from the other members, logged).
 
     Raises:
         ValueError: Helpers are active, or a bad compression option.
@@ -135,7 +140,9 @@ class CompressedExchange:
         chunk: int | None = None,
         values: str | None = None,
         index_bits: int | None = None,
+        on_bad_payload: str = "raise",
     ) -> None:
+        self.on_bad_payload = validate_on_bad_payload(type(self).__name__, on_bad_payload)
         if groups.helpers:
             raise ValueError(
                 "mode='demo' cannot be combined with helpers (helper_fraction > 0): a helper sends zeros for the tail"
@@ -154,6 +161,7 @@ class CompressedExchange:
         for members in groups.member_sets:
             if len(members) > 1 and groups.rank in members:
                 replicator = build_demo_replicator(self.compression, self.options)
+                replicator.set_bad_payload_policy(self.on_bad_payload)
                 group = groups.group(members)
                 replicator.setup(dist.group.WORLD if group is None and members == world and initialized else group)
                 self.replicators[members] = replicator
@@ -250,16 +258,39 @@ class CompressedExchange:
         out = [{key: value.cpu() for key, value in state.items()}]
         for source in range(1, world):
             key_bytes, numel = every_size[source]
+            if not (0 <= key_bytes <= _MAX_KEY_BYTES and numel >= 0):
+                raise PeerPayloadError(
+                    f"rank {source} announced {key_bytes} key bytes and {numel} error-feedback values; refusing"
+                    f" (keys are at most {_MAX_KEY_BYTES} bytes, counts are >= 0).",
+                    source,
+                )
             raw = torch.empty(key_bytes, dtype=torch.uint8, device=device)
             values = torch.empty(numel, dtype=torch.float32, device=device)
             if key_bytes:
                 comm.recv(raw, source, label=CHECKPOINT_LABEL)
             if numel:
                 comm.recv(values, source, label=CHECKPOINT_LABEL)
-            names = json.loads(bytes(raw.cpu().tolist()).decode()) if key_bytes else []
+            names = _bucket_names(raw, source, numel) if key_bytes else []
             numels = [int(name.rsplit("|", 1)[1]) for name in names]
             out.append(dict(zip(names, (v.clone() for v in values.cpu().split(numels)), strict=True)))
         return out
+
+
+def _bucket_names(raw: torch.Tensor, source: int, numel: int) -> list[str]:
+    """The bucket keys rank ``source`` sent, checked: a JSON list of ``"ranks|dtype|numel"`` covering ``numel``."""
+    try:
+        names = json.loads(bytes(raw.cpu().tolist()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PeerPayloadError(f"rank {source} sent unreadable error-feedback bucket keys: {error}", source) from None
+    ok = isinstance(names, list) and all(isinstance(n, str) and n.count("|") == 2 for n in names)
+    sizes = [n.rsplit("|", 1)[1] for n in names] if ok else []
+    if not ok or not all(size.isdigit() for size in sizes) or sum(map(int, sizes)) != numel:
+        raise PeerPayloadError(
+            f"rank {source} sent error-feedback bucket keys {str(names)[:200]} that do not describe its {numel}"
+            " values (a list of 'ranks|dtype|numel'); refusing to checkpoint them.",
+            source,
+        )
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------- bytes

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER
+from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
@@ -38,7 +39,7 @@ from lightning_hetero.matformer.arguments import (
 )
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange, check_demo_arguments
-from lightning_hetero.matformer.schema import compare_schemas
+from lightning_hetero.matformer.schema import SETUP_DOCUMENT, agree_on_schema, canonical_hash
 from lightning_hetero.matformer.slicing import slice_model
 from lightning_hetero.matformer.tiers import (
     HelperConfig,
@@ -72,6 +73,9 @@ class MatFormerRuntime(StrategyRuntime):
             keeps full weights and trains its neurons through a 0/1 mask on the FFN hidden activations.
         compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
         demo_options: ``mode="demo"`` only: ``chunk``, ``values``, ``index_bits`` of the DeMo replicator.
+        on_bad_payload: ``"raise"`` (default): a corrupt peer payload (NaN/Inf in an all-reduced bucket, an
+            out-of-block DCT index) stops training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError`;
+            ``"drop"``: it is left out (logged). A different model schema always raises, at setup.
         owner: Class name used in error messages.
     """
 
@@ -90,8 +94,12 @@ class MatFormerRuntime(StrategyRuntime):
         owner: str = "MatFormerStrategy",
         compression: float | None = None,
         demo_options: Mapping[str, Any] | None = None,
+        on_bad_payload: str = "raise",
     ) -> None:
         self.owner = owner
+        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
+        self.schema_hash: str | None = None
+        """sha256 of the canonical tier-0 schema every rank agreed on at setup."""
         if tiers is not None and widths is not None:
             raise ValueError(f"{owner}: pass tiers=[...] or widths=[...], not both.")
         self.unit: Literal["tier", "width"] = "width" if widths is not None else "tier"
@@ -175,7 +183,7 @@ class MatFormerRuntime(StrategyRuntime):
         if self.per_rank is None or len(self.per_rank) != self.world_size:
             self.resolve_world(self.world_size)
         local_error: Exception | None = None
-        payload: dict[str, Any] = {"error": None, "schema": None}
+        payload: dict[str, Any] = {"error": None, "schema": None, "schema_hash": None}
         try:
             blocks = find_ffns(module)
             sliced = [b.path for b in blocks if b.width != b.full_size]
@@ -185,15 +193,16 @@ class MatFormerRuntime(StrategyRuntime):
                     "Pass a freshly built (or full-checkpoint) module."
                 )
             payload["schema"] = module_schema(module)
+            payload["schema_hash"] = canonical_hash(payload["schema"])
         except Exception as error:  # reported to every rank first, so that no rank waits for this one in a collective
             local_error, payload["error"] = error, f"{type(error).__name__}: {error}"
-        gathered = all_gather_json(payload, self.world_size, device)
+        gathered = all_gather_json(payload, self.world_size, device, schema=SETUP_DOCUMENT)
         if local_error is not None:
             raise local_error
         failed = {rank: entry["error"] for rank, entry in enumerate(gathered) if entry["error"]}
         if failed:
             raise RuntimeError(f"{self.owner} setup failed on rank(s) {sorted(failed)}: {failed}")
-        compare_schemas({rank: entry["schema"] for rank, entry in enumerate(gathered)})
+        self.schema_hash = agree_on_schema(gathered)
         if self.world_size > 1:
             broadcast_module_state(module, 0, label=INTER)
         self.blocks, self.ffn_params = blocks, [p for b in blocks for p in b.parameters]
@@ -201,7 +210,9 @@ class MatFormerRuntime(StrategyRuntime):
         self.helpers = self._build_helpers(self.layout)
         self.groups = RegionGroups(self.layout, helpers=self.helpers, label=INTER)
         if self.mode == "demo":
-            self.exchange = CompressedExchange(self.groups, self.compression, **self.demo_options)
+            self.exchange = CompressedExchange(
+                self.groups, self.compression, **self.demo_options, on_bad_payload=self.on_bad_payload
+            )
             if self._pending_exchange_state is not None:
                 self.exchange.load_state_dict(self._pending_exchange_state)
                 self._pending_exchange_state = None
@@ -310,7 +321,14 @@ class MatFormerRuntime(StrategyRuntime):
                     param.grad = torch.zeros_like(param)
                 grads[name] = param.grad
         aggregate_gradients(
-            grads, self.ffn_params, self.groups, self.mode, self.tier_weights, step=step, exchange=self.exchange
+            grads,
+            self.ffn_params,
+            self.groups,
+            self.mode,
+            self.tier_weights,
+            step=step,
+            exchange=self.exchange,
+            on_bad_payload=self.on_bad_payload,
         )
         if self.exchange is not None:
             self.exchange.check_loaded_state_used()

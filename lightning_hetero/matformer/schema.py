@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.adapters import (
     BASE_SIZE_KEY,
     TIER_KEY,
@@ -123,9 +124,47 @@ def canonical_schema(config: Any, ignore_fields: Iterable[str] = ()) -> dict[str
 
 def schema_hash(config: Any, ignore_fields: Iterable[str] = ()) -> str:
     """sha256 (hex) of the canonical JSON of ``canonical_schema(config, ignore_fields)``."""
-    canonical = canonical_schema(config, ignore_fields)
+    return canonical_hash(canonical_schema(config, ignore_fields))
+
+
+def canonical_hash(canonical: Mapping[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of an already canonical schema (e.g. ``module_schema(module)``)."""
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+SETUP_DOCUMENT: dict[str, type | tuple[type, ...]] = {
+    "error": (str, type(None)),
+    "schema": (dict, type(None)),
+    "schema_hash": (str, type(None)),
+}
+"""What every MatFormer rank sends at setup (checked by ``all_gather_json``): its error, schema and schema hash."""
+
+
+def agree_on_schema(documents: Sequence[Mapping[str, Any]]) -> str:
+    """The schema hash every rank agrees on, from every rank's setup document (rank order).
+
+    A document whose hash is not the sha256 of the schema it carries is corrupt (:class:`PeerPayloadError`); ranks
+    with different schemas raise :class:`SchemaMismatchError` naming the fields.
+    """
+    hashes = []
+    for rank, document in enumerate(documents):
+        schema, digest = document.get("schema"), document.get("schema_hash")
+        if not isinstance(schema, Mapping) or not isinstance(digest, str) or canonical_hash(schema) != digest:
+            raise PeerPayloadError(
+                f"rank {rank} sent a schema hash {str(digest)[:16]!r}... that does not match the schema it sent;"
+                " refusing its setup document (corrupt or hostile peer).",
+                rank,
+            )
+        hashes.append(digest)
+    if len(set(hashes)) > 1:
+        compare_schemas({rank: document["schema"] for rank, document in enumerate(documents)})
+        raise SchemaMismatchError(
+            f"MatFormer ranks sent different schema hashes {sorted(set(hashes))} for schemas that compare equal.",
+            0,
+            {},
+        )
+    return hashes[0]
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_hetero.comm.validation import PeerPayloadError, check_finite
+
 __all__ = ["BoundaryCodec", "pack_int8", "unpack_int8"]
 
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
@@ -120,6 +122,30 @@ class BoundaryCodec:
         if self.coord_dtype == "int8":
             return _Int8Decode.apply(wire, self.width, dtype)
         return wire.to(dtype)
+
+    def check_wire(self, wire: Tensor, *, peer: int | None = None, what: str = "boundary tensor") -> None:
+        """Refuse a received wire tensor that cannot be decoded into finite values.
+
+        ``fp32``/``bf16``: every number must be finite. ``int8``: the payload slots are raw int8 bytes (NaN bit
+        patterns are legitimate there), so only the per-token scale, the last slot, must be finite and >= 0.
+
+        Raises:
+            PeerPayloadError: Wrong last dimension or dtype, NaN/Inf values, or a negative / non-finite scale.
+        """
+        if wire.shape[-1:] != (self.wire_width,) or wire.dtype != self.wire_dtype:
+            raise PeerPayloadError(
+                f"{what} from rank {peer} has shape {tuple(wire.shape)} and dtype {wire.dtype}; the {self} expects"
+                f" last dimension {self.wire_width} and {self.wire_dtype}.",
+                peer,
+            )
+        if self.coord_dtype != "int8":
+            check_finite(wire, peer=peer, what=what)
+            return
+        scale = wire[..., -1]
+        if scale.numel() and not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+            raise PeerPayloadError(
+                f"{what} from rank {peer} holds a negative or non-finite int8 scale; refusing to decode it.", peer
+            )
 
     def __repr__(self) -> str:
         return f"BoundaryCodec({self.coord_dtype!r}, width={self.width})"

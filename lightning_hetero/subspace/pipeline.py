@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import check_finite
 from lightning_hetero.subspace.schedules import build_schedule
 
 __all__ = [
@@ -218,7 +219,17 @@ class PipelineExecutor:
         shape, dtype = self._boundary(input_ids)
         buffer = torch.empty(shape, dtype=dtype, device=input_ids.device)
         comm.recv(buffer, src, label=self.label, tag=tag)
+        self._check_received(buffer, src, tag)
         return buffer.requires_grad_(requires_grad and buffer.is_floating_point())
+
+    def _check_received(self, buffer: Tensor, src: int, tag: int) -> None:
+        """Refuse NaN/Inf activations or gradients from a neighbour (the stage's codec knows what may be raw bits)."""
+        what = "boundary activations" if tag == FORWARD_TAG else "boundary gradients"
+        codec = getattr(self.stage, "codec", None)
+        if codec is not None and hasattr(codec, "check_wire"):
+            codec.check_wire(buffer, peer=src, what=what)
+        else:
+            check_finite(buffer, peer=src, what=what)
 
     def _send(self, tensor: Tensor, dst: int, input_ids: Tensor, tag: int, pending: list[Any]) -> None:
         shape, dtype = self._boundary(input_ids)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import (
     StrategyRuntime,
     WorldLayout,
@@ -71,6 +72,10 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
         update_every: Optimizer steps between subspace updates (0: frozen U).
         update_lr: Step size of the subspace update.
         seed: Seed of U and T_fixed.
+        on_bad_payload: ``"raise"`` (the only choice here): NaN/Inf activations or gradients from a neighbour stage
+            (or a negative int8 scale) stop training with a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError`. A stage cannot go on without its input,
+            so ``"drop"`` is refused.
         owner: Class name used in error messages.
     """
 
@@ -92,11 +97,18 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
         update_every: int = 0,
         update_lr: float = 0.1,
         seed: int = 0,
+        on_bad_payload: str = "raise",
         owner: str = "SubspacePipelineStrategy",
     ) -> None:
         from lightning_hetero.subspace.basis import SubspaceConfig
 
         self.owner = owner
+        if validate_on_bad_payload(owner, on_bad_payload) == "drop":
+            raise ValueError(
+                f"{owner}(on_bad_payload='drop'): a pipeline stage cannot compute a micro-batch without the"
+                " activations (or gradients) its neighbour sent, so a corrupt boundary tensor cannot be dropped; use"
+                " on_bad_payload='raise'."
+            )
         _check_int(owner, "num_stages", num_stages, 1)
         _check_int(owner, "data_parallel_size", data_parallel_size, 1)
         n_microbatches = num_stages if n_microbatches is None else n_microbatches

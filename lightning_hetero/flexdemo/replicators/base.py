@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm.codecs import validate_value_encoding
+from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
 
 __all__ = [
     "Bucket",
@@ -85,17 +86,14 @@ class Bucket:
     offsets: list[int]
 
 
-class PeerPayloadError(ValueError):
-    """A replica's payload cannot be applied: indices outside the block, or non-finite values."""
-
-
 def check_peer_values(values: torch.Tensor, rank: int, key: int) -> None:
     """Refuse non-finite values from replica ``rank`` for piece ``key`` (every replica sees the same bytes, so every
     replica raises the same error instead of applying NaN/Inf to its weights)."""
     if not bool(torch.isfinite(values).all()):
         raise PeerPayloadError(
             f"replica {rank} sent non-finite values for parameter piece {key}; refusing to apply them "
-            "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint)."
+            "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint).",
+            rank,
         )
 
 
@@ -131,6 +129,14 @@ class Replicator(ABC):
         self._owner: object | None = None
         self.stats: dict[str, float] = {}
         self._reset_stats()
+        self.on_bad_payload = "raise"
+        """``"raise"``: a corrupt replica payload stops training; ``"drop"``: it is left out of the combination."""
+        self.dropped_payloads = 0
+        """Payloads left out under ``on_bad_payload="drop"`` since construction."""
+
+    def set_bad_payload_policy(self, policy: str) -> None:
+        """Choose ``"raise"`` or ``"drop"`` for corrupt replica payloads (:mod:`lightning_hetero.comm.validation`)."""
+        self.on_bad_payload = validate_on_bad_payload(type(self).__name__, policy)
 
     # ----------------------------------------------------------------------------------------------- set up
     def setup(self, group: Any | None) -> None:
@@ -232,11 +238,45 @@ class Replicator(ABC):
             if bucket.kind == "gather":
                 ranks = 1 if bucket.work is None else self.num_replicas
                 per_rank = [bucket.output[r * total + offset : r * total + offset + size] for r in range(ranks)]
-                results.append(self.decode_gathered(piece, per_rank))
+                results.append(self._decode_gathered_or_drop(piece, per_rank))
             else:
-                results.append(self.decode_reduced(piece, bucket.output[offset : offset + size]))
+                results.append(self._decode_reduced_or_drop(piece, bucket.output[offset : offset + size]))
         self.stats["decode_seconds"] += time.perf_counter() - started
         return results
+
+    def _decode_gathered_or_drop(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`decode_gathered`; under ``"drop"`` a refused replica is left out and the rest are combined.
+
+        Every replica holds the same gathered bytes, so every replica leaves out the same ranks (and stays identical).
+        """
+        try:
+            return self.decode_gathered(piece, per_rank)
+        except PeerPayloadError as error:
+            if self.on_bad_payload != "drop":
+                raise
+            first = error
+        kept = []
+        for data in per_rank:
+            try:
+                self.decode_gathered(piece, [data])
+                kept.append(data)
+            except PeerPayloadError:
+                continue
+        dropped = len(per_rank) - len(kept)
+        report_dropped(first, f"piece {piece.key}: combined the other {len(kept)} replica(s), left out {dropped}", self)
+        if not kept:
+            return torch.zeros(piece.shape, dtype=torch.float32, device=piece.wire.device)
+        return self.decode_gathered(piece, kept)
+
+    def _decode_reduced_or_drop(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode_reduced`; under ``"drop"`` a non-finite sum (no sender known) becomes a zero update."""
+        try:
+            return self.decode_reduced(piece, summed)
+        except PeerPayloadError as error:
+            if self.on_bad_payload != "drop":
+                raise
+            report_dropped(error, f"piece {piece.key}: no update this step", self)
+            return torch.zeros(piece.shape, dtype=torch.float32, device=summed.device)
 
     # ------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -55,6 +55,8 @@ class FlexDeMoStrategy(FabricStrategyBase):
         overlap: Start each block's exchange during backward (set False to use ``fabric.clip_gradients``).
         activation_checkpointing: Recompute each block's activations in backward.
         block_classes: Class names of the blocks to shard individually (default: found from the model).
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
         **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
             ``start_method``, ...): see :class:`~lightning_hetero.strategies.lifecycle.FabricStrategyBase`.
     """
@@ -71,6 +73,7 @@ class FlexDeMoStrategy(FabricStrategyBase):
         overlap: bool = True,
         activation_checkpointing: bool = False,
         block_classes: list[str] | None = None,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)

@@ -65,6 +65,8 @@ class FlexDeMoStrategy(TrainerStrategyBase):
         block_classes: Class names of the blocks to shard individually; default: found from the model
             (``_no_split_modules`` of HF models, else a ``ModuleList`` of identical layers).
         log_comm_stats: Log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``, ``comm/wait_seconds``, ... per step.
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
@@ -82,6 +84,7 @@ class FlexDeMoStrategy(TrainerStrategyBase):
         activation_checkpointing: bool = False,
         block_classes: list[str] | None = None,
         log_comm_stats: bool = True,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)

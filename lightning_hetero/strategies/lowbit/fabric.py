@@ -63,6 +63,7 @@ class SparseFlipStrategy(FabricStrategyBase):
         drift_check_every: int = 0,
         on_nonfinite: str = "raise",
         fp_density: float | None = None,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)

@@ -60,6 +60,8 @@ class SparseFlipStrategy(TrainerStrategyBase):
         fp_density: None: fp gradients (biases, norms, embeddings, heads) are averaged densely. A fraction: each
             rank sends only that share of them, sparse, with error feedback (residuals saved in checkpoints).
         log_comm_stats: Log ``lowbit/*`` and ``comm/*`` per step.
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
@@ -90,6 +92,7 @@ class SparseFlipStrategy(TrainerStrategyBase):
         on_nonfinite: str = "raise",
         fp_density: float | None = None,
         log_comm_stats: bool = True,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)

@@ -68,6 +68,8 @@ class MatFormerStrategy(FabricStrategyBase):
         compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
             (default 1/32).
         demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
         **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
             ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
@@ -86,6 +88,7 @@ class MatFormerStrategy(FabricStrategyBase):
         slice_weights: bool = True,
         compression: float | None = None,
         demo_options: dict[str, Any] | None = None,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)

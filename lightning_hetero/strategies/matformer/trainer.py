@@ -65,6 +65,8 @@ class MatFormerStrategy(TrainerStrategyBase):
         demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
         log_tier_losses: Also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks), at the cost of
             one small all-reduce per training step (ledger label ``"metrics"``).
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
@@ -84,6 +86,7 @@ class MatFormerStrategy(TrainerStrategyBase):
         compression: float | None = None,
         demo_options: dict[str, Any] | None = None,
         log_tier_losses: bool = False,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)

@@ -62,6 +62,7 @@ class SubspacePipelineStrategy(FabricStrategyBase):
         update_every: int = 0,
         update_lr: float = 0.1,
         seed: int = 0,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)

@@ -73,6 +73,8 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
         update_every: Optimizer steps between subspace updates (0: frozen U).
         update_lr: Step size of the subspace update.
         seed: Seed of U and T_fixed (identical on every rank without communication).
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError`, the only choice (a stage needs its input).
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
@@ -93,6 +95,7 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
         update_every: int = 0,
         update_lr: float = 0.1,
         seed: int = 0,
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
