@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
+from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.utils.assets import cache_dir as default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -183,20 +183,23 @@ def make_dataloader(
     seed: int,
     collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
 ) -> DataLoader:
-    """Training loaders shuffle with a seeded generator and drop the last partial batch; validation loaders do not.
+    """Training loaders shuffle by ``seed + epoch``, drop the last partial batch and are resumable mid-epoch.
 
-    No sampler is set: in distributed runs the Trainer swaps in a ``DistributedSampler`` (it keeps ``shuffle``).
+    Training loaders are :class:`~lightning_hetero.data.stateful.StatefulDataLoader`: the Trainer (and Fabric, when
+    the loader is in the saved state) checkpoint their position, so a resumed run continues with the next batch.
+    Validation loaders are plain, in order. No distributed sampler is set: in distributed runs the Trainer swaps in a
+    ``DistributedSampler`` (it keeps ``shuffle``; the loader's position still applies to it).
     """
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=train,
-        drop_last=train,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        collate_fn=collate_fn,
-        generator=torch.Generator().manual_seed(seed) if train else None,
-    )
+    common: dict[str, Any] = {
+        "batch_size": batch_size,
+        "drop_last": train,
+        "num_workers": num_workers,
+        "persistent_workers": num_workers > 0,
+        "collate_fn": collate_fn,
+    }
+    if train:
+        return StatefulDataLoader(dataset, shuffle=True, seed=seed, **common)
+    return DataLoader(dataset, shuffle=False, **common)
 
 
 class DatasetSplitsMixin:
