@@ -110,12 +110,12 @@ def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None)
             rank,
         )
     for key, expected in schema.items():
-        if isinstance(value[key], bool) and expected in (int, float):
-            expected = ()  # bool is an int subclass, never what a numeric field means
-        if not isinstance(value[key], expected):
+        item = value[key]
+        numeric = expected in (int, float)  # bool is an int subclass, never what a numeric field means
+        if not isinstance(item, expected) or (numeric and isinstance(item, bool)):
             raise PeerPayloadError(
-                f"rank {rank} sent {key}={str(value[key])[:80]!r} of type {type(value[key]).__name__} in its setup"
-                f" document, expected {expected}.",
+                f"rank {rank} sent {key}={repr(item)[:80]} of type {type(item).__name__} in its setup document,"
+                f" expected {expected}.",
                 rank,
             )
     return value

@@ -1,0 +1,128 @@
+"""Peer bytes in comm and core: the shared error and policy, the codecs and the JSON setup documents, fuzzed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_hetero.comm import codecs
+from lightning_hetero.comm.validation import (
+    PeerPayloadError,
+    check_finite,
+    check_index_range,
+    check_length,
+    validate_on_bad_payload,
+)
+from lightning_hetero.core.state import all_gather_json, decode_json_payload
+from lightning_hetero.flexdemo.replicators.base import PeerPayloadError as FlexDeMoPeerPayloadError
+
+FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+SCHEMA = {"error": (str, type(None)), "schema": (dict, type(None)), "step": int}
+
+
+def test_one_error_class_for_every_strategy_and_flexdemo_keeps_its_import_path():
+    assert FlexDeMoPeerPayloadError is PeerPayloadError
+    assert issubclass(PeerPayloadError, ValueError)  # callers that caught ValueError keep working
+    assert PeerPayloadError("x", peer=3).peer == 3
+
+
+@pytest.mark.parametrize("bad", ["ignore", None, 1, "Raise"])
+def test_on_bad_payload_names_the_argument_and_the_choices(bad):
+    with pytest.raises(ValueError, match=r"Owner\(on_bad_payload=.*'raise'.*'drop'"):
+        validate_on_bad_payload("Owner", bad)
+    assert validate_on_bad_payload("Owner", "drop") == "drop"
+
+
+def test_the_shared_checks_name_the_peer():
+    with pytest.raises(PeerPayloadError, match="payload from rank 2 has 3 elements, expected 4"):
+        check_length(torch.zeros(3), 4, peer=2)
+    with pytest.raises(PeerPayloadError, match="index 9, outside \\[0, 8\\)"):
+        check_index_range(torch.tensor([1, 9]), 8, peer=1)
+    with pytest.raises(PeerPayloadError, match="index -1"):
+        check_index_range(torch.tensor([-1, 3]), 8)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(PeerPayloadError, match="non-finite"):
+            check_finite(torch.tensor([0.0, bad]), peer=0)
+    check_finite(torch.tensor([1, 2]))  # integers are never non-finite
+
+
+@FUZZ
+@given(st.binary(max_size=64), st.integers(0, 40), st.sampled_from(codecs.INDEX_BITS))
+def test_random_bytes_unpack_to_indices_in_range_or_are_refused(data, count, bits):
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    try:
+        indices = codecs.unpack_indices(raw, count, bits)
+    except ValueError:
+        return
+    assert indices.numel() == count
+    assert indices.numel() == 0 or (int(indices.min()) >= 0 and int(indices.max()) < 2**bits)
+
+
+@FUZZ
+@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(codecs.VALUE_ENCODINGS))
+def test_random_bytes_unpack_to_the_announced_shape_or_are_refused(data, rows, cols, encoding):
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    try:
+        values = codecs.unpack_values(raw, rows, cols, encoding)
+    except ValueError:
+        return
+    assert values.shape == (rows, cols) and values.dtype == torch.float32  # finiteness: the callers' check_finite
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_random_bytes_as_a_setup_document_are_refused_or_match_the_schema(data):
+    try:
+        document = decode_json_payload(data, 1, SCHEMA)
+    except PeerPayloadError as error:
+        assert "rank 1" in str(error)
+        return
+    assert set(document) == set(SCHEMA)
+
+
+@FUZZ
+@given(
+    st.dictionaries(
+        st.sampled_from(["error", "schema", "step", "extra"]),
+        st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), st.dictionaries(st.text(), st.none())),
+    )
+)
+def test_a_document_is_accepted_only_with_exactly_the_schema(document):
+    raw = json.dumps(document).encode()
+    expected = set(document) == set(SCHEMA) and all(
+        isinstance(document[k], t) and not (t is int and isinstance(document[k], bool)) for k, t in SCHEMA.items()
+    )
+    try:
+        decode_json_payload(raw, 0, SCHEMA)
+        accepted = True
+    except PeerPayloadError:
+        accepted = False
+    assert accepted == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b'{"error": null, "schema": null, "step": NaN}', "not JSON"),
+        (b"[1, 2]", "keys list, expected"),
+        (b'{"error": null, "schema": null}', "keys \\['error', 'schema'\\]"),
+        (b'{"error": null, "schema": null, "step": true}', "step=True of type bool"),
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON"),  # nesting bomb: a RecursionError becomes a refusal
+    ],
+)
+def test_malformed_setup_documents_are_refused_with_the_reason(raw, match):
+    with pytest.raises(PeerPayloadError, match=match):
+        decode_json_payload(raw, 1, SCHEMA)
+
+
+def test_all_gather_json_checks_the_schema_on_a_single_rank_too():
+    assert all_gather_json({"error": None, "schema": {}, "step": 1}, 1, torch.device("cpu"), schema=SCHEMA) == [
+        {"error": None, "schema": {}, "step": 1}
+    ]
+    with pytest.raises(PeerPayloadError, match="rank 0 sent step='1' of type str"):
+        all_gather_json({"error": None, "schema": {}, "step": "1"}, 1, torch.device("cpu"), schema=SCHEMA)
