@@ -2,6 +2,7 @@
 
 from lightning_hetero.callbacks.comm_monitor import CommunicationMonitor
 from lightning_hetero.callbacks.eval_report import ValidationReport
+from lightning_hetero.callbacks.periodic_checkpoint import VerifiedCheckpoint
 from lightning_hetero.callbacks.layerwise import GreedyLayerwise
 from lightning_hetero.callbacks.subspace_export import SubspaceDenseExport
 from lightning_hetero.callbacks.subspace_rank import SubspaceRankMonitor
@@ -16,4 +17,5 @@ __all__ = [
     "TierEvaluation",
     "TierExport",
     "ValidationReport",
+    "VerifiedCheckpoint",
 ]

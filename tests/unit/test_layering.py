@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "lightning_hetero"
-ALGORITHM_PACKAGES = ("comm", "core", "flexdemo", "layerwise", "lowbit", "matformer", "subspace")
+ALGORITHM_PACKAGES = ("comm", "core", "flexdemo", "layerwise", "lowbit", "matformer", "reliability", "subspace")
 """Framework-free: torch (and transformers where a model family needs it), never Lightning."""
 ADAPTER_MODULES = ("strategies", "callbacks", "models", "data", "cli", "fabric", "__main__")
 """The Lightning layer (and what only it uses)."""

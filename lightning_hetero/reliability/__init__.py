@@ -1,0 +1,43 @@
+"""Surviving faults: verified checkpoint discovery with fallback, fault injection, collective timeouts.
+
+Framework-free (torch only); the Lightning pieces are :class:`lightning_hetero.callbacks.VerifiedCheckpoint` and the
+strategies' lifecycle. See ``docs/reliability.md``.
+"""
+
+from lightning_hetero.reliability.checkpoints import (
+    MANIFEST_SUFFIX,
+    CheckpointScan,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    checkpoint_bytes,
+    latest_good_checkpoint,
+    manifest_file,
+    remove_manifest,
+    scan_checkpoints,
+    verify_checkpoint,
+    write_manifest,
+)
+from lightning_hetero.reliability.faults import ENV_VAR, FAULT_KINDS, FaultPlan, corrupt_file, restart_count
+from lightning_hetero.reliability.timeouts import explain_collective_error, group_default_timeout, inherit_group_timeout
+
+__all__ = [
+    "ENV_VAR",
+    "FAULT_KINDS",
+    "MANIFEST_SUFFIX",
+    "CheckpointScan",
+    "CorruptCheckpointError",
+    "FaultPlan",
+    "IncompleteCheckpointError",
+    "checkpoint_bytes",
+    "corrupt_file",
+    "explain_collective_error",
+    "group_default_timeout",
+    "inherit_group_timeout",
+    "latest_good_checkpoint",
+    "manifest_file",
+    "remove_manifest",
+    "restart_count",
+    "scan_checkpoints",
+    "verify_checkpoint",
+    "write_manifest",
+]
