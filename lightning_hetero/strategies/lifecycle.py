@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import StrategyRuntime, WorldLayout, remove_checkpoint, write_part
+from lightning_hetero.reliability.timeouts import inherit_group_timeout
 
 __all__ = ["FabricStrategyBase", "TrainerStrategyBase", "destroy_process_group_at_exit"]
 
@@ -73,6 +74,9 @@ class _RuntimeLifecycle:
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
+        # Groups the runtime creates later (device mesh, pipeline, regions) get the strategy's timeout, not torch's
+        # 30 minutes: a hung peer must fail every collective within `timeout`.
+        inherit_group_timeout(getattr(self, "_timeout", None))
         destroy_process_group_at_exit()
 
     @contextmanager
