@@ -203,3 +203,21 @@ def test_trainer_resumes_mid_epoch_with_the_next_batch(tmp_path, stop):
     resumed = _fit(45, ckpt_path=tmp_path / "stop.ckpt")
     assert first.seen + resumed.seen == straight.seen
     assert torch.equal(resumed.weight, straight.weight)
+
+
+def test_fabric_saves_and_restores_the_loader_in_its_state(tmp_path):
+    """``fabric.save``/``fabric.load`` with the wrapped loader in the state: the restored loop continues in epoch 1."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    straight = _epochs(_loader(), 3)
+    loader = fabric.setup_dataloaders(_loader())
+    seen = [batch.tolist() for batch in loader]  # epoch 0
+    iterator = iter(loader)  # epoch 1: Fabric's wrapper sets the sampler's epoch from its own count
+    seen += [next(iterator).tolist() for _ in range(4)]
+    fabric.save(tmp_path / "fabric.ckpt", {"train_loader": loader, "step": 24})
+    restored = fabric.setup_dataloaders(_loader())  # a new process: the wrapper counts epochs from 0 again
+    remainder = fabric.load(tmp_path / "fabric.ckpt", {"train_loader": restored})
+    assert remainder == {"step": 24}
+    rest = [batch.tolist() for batch in restored] + [batch.tolist() for batch in restored]
+    assert seen + rest == straight
