@@ -9,7 +9,9 @@ Layout of a checkpoint ``path`` (a folder, also when it is named ``*.ckpt``)::
 
 Data-parallel replicas of a stage hold bit-identical weights and optimizer state (their gradients are averaged), so
 only replica 0 writes; any number of replicas can resume from the folder (every replica of stage ``s`` reads
-``stage_s.pt``). The stage count, the layer split and the subspace settings must match the run that resumes.
+``stage_s.pt``), so a resume on another world size works when it keeps the stage count (``data_parallel_size``
+changes). The stage count, the layer split and the subspace settings must match the run that resumes; otherwise
+:func:`check_meta` raises, naming the ``num_stages`` to resume with.
 
 The part files are written and read through :mod:`lightning_hetero.core.checkpoint_dir` (atomic, checksummed,
 ``weights_only``); this module names them and owns ``meta.json``. :func:`gather_stage_states` brings every stage's
@@ -96,10 +98,14 @@ def check_meta(saved: Mapping[str, Any], current: Mapping[str, Any], path: str |
         if key in current and _normalized(saved.get(key)) != _normalized(current.get(key))
     ]
     if differences:
+        stages = saved.get("num_stages")
         raise ValueError(
             f"Cannot resume from {path}: the checkpoint was written by a different pipeline ("
             + "; ".join(differences)
-            + "). Resume with the same num_stages, model and subspace settings."
+            + f"). Resume with SubspacePipelineStrategy(num_stages={stages}) and the same model and subspace settings"
+            f" (rank, compress, mode, seed, coord_dtype); data_parallel_size may change, so any world size that is a "
+            f"multiple of {stages} works. The stage count cannot change: each stage file holds its layers' optimizer "
+            "state by position and its boundary's subspace statistic, which do not map onto another layer split."
         )
 
 
