@@ -27,6 +27,7 @@ from lightning_hetero.comm.validation import PeerPayloadError, check_finite
 __all__ = ["BoundaryCodec", "pack_int8", "unpack_int8"]
 
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+_MAX_INT8_SCALE = torch.finfo(torch.float32).max / 127.0
 
 
 def pack_int8(values: Tensor) -> Tensor:
@@ -142,9 +143,12 @@ class BoundaryCodec:
             check_finite(wire, peer=peer, what=what)
             return
         scale = wire[..., -1]
-        if scale.numel() and not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        # A finite scale above max / 127 would still decode to Inf; the encoder's scale is max|c| / 127.
+        if scale.numel() and not bool(((scale >= 0) & (scale <= _MAX_INT8_SCALE)).all()):
             raise PeerPayloadError(
-                f"{what} from rank {peer} holds a negative or non-finite int8 scale; refusing to decode it.", peer
+                f"{what} from rank {peer} holds a negative, non-finite or overflowing int8 scale; refusing to decode"
+                " it.",
+                peer,
             )
 
     def __repr__(self) -> str:

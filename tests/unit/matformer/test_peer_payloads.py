@@ -1,0 +1,115 @@
+"""MatFormer peer bytes: the setup schema hash, non-finite all-reduced buckets, DeMo buckets, gathered bucket keys."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.matformer.aggregate import _check_reduced
+from lightning_hetero.matformer.arguments import module_schema
+from lightning_hetero.matformer.compressed import _bucket_names, build_demo_replicator
+from lightning_hetero.matformer.runtime import MatFormerRuntime
+from lightning_hetero.matformer.schema import (
+    SETUP_DOCUMENT,
+    SchemaMismatchError,
+    agree_on_schema,
+    canonical_hash,
+    schema_hash,
+)
+
+FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _document(n_layer: int = 2) -> dict:
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=16, n_layer=n_layer, n_head=2, vocab_size=32, n_positions=16))
+    schema = module_schema(model)
+    return {"error": None, "schema": schema, "schema_hash": canonical_hash(schema)}
+
+
+def test_ranks_of_one_model_agree_on_its_schema_hash():
+    document = _document()
+    assert set(document) == set(SETUP_DOCUMENT)
+    agreed = agree_on_schema([document, _document()])
+    assert agreed == document["schema_hash"] == schema_hash(document["schema"])  # canonical_schema is idempotent
+
+
+def test_a_rank_of_another_model_is_named_with_the_differing_field():
+    with pytest.raises(SchemaMismatchError, match="n_layer: 3 \\(rank 1\\) != 2 \\(rank 0\\)"):
+        agree_on_schema([_document(2), _document(3)])
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d.update(schema_hash="0" * 64),  # a hash that is not the schema's
+        lambda d: d["schema"].update(n_layer=9),  # a schema edited after hashing
+        lambda d: d.update(schema=None),
+    ],
+)
+def test_a_setup_document_whose_hash_does_not_match_its_schema_is_refused(tamper):
+    forged = _document()
+    tamper(forged)
+    with pytest.raises(PeerPayloadError, match="rank 1 sent a schema hash .* that does not match the schema"):
+        agree_on_schema([_document(), forged])
+
+
+def test_a_non_finite_all_reduced_bucket_is_refused_or_zeroed(caplog):
+    with pytest.raises(PeerPayloadError, match="bucket all-reduced over ranks \\[0, 2\\] holds non-finite"):
+        _check_reduced(torch.tensor([1.0, float("inf")]), (0, 2), "raise")
+    bucket = torch.tensor([1.0, float("nan"), 3.0])
+    with caplog.at_level(logging.WARNING, logger="lightning_hetero.peer_payloads"):
+        _check_reduced(bucket, (0, 1), "drop")
+    assert bucket.tolist() == [0.0, 0.0, 0.0] and "zero gradient for those coordinates" in caplog.text
+    finite = torch.tensor([1.0, -2.0])
+    _check_reduced(finite, (0, 1), "raise")
+    assert finite.tolist() == [1.0, -2.0]
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_a_demo_bucket_with_a_forged_member_is_refused_or_decoded_from_the_others(policy):
+    replicator = build_demo_replicator(1 / 8, {"chunk": 16, "values": "fp32"})
+    replicator.set_bad_payload_policy(policy)
+    piece = replicator.encode(0, torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+    forged = piece.wire.clone()
+    forged[-4:] = torch.tensor([0, 0, 0x80, 0x7F], dtype=torch.uint8)  # +Inf
+    if policy == "raise":
+        with pytest.raises(PeerPayloadError, match="replica 1 sent non-finite values"):
+            replicator._decode_gathered_or_drop(piece, [piece.wire, forged])
+        return
+    combined = replicator._decode_gathered_or_drop(piece, [piece.wire, forged])
+    assert torch.equal(combined, replicator.decode_gathered(piece, [piece.wire]))
+    assert replicator.dropped_payloads == 1
+
+
+@FUZZ
+@given(st.binary(max_size=80), st.integers(0, 64))
+def test_random_checkpoint_bucket_keys_are_refused_or_cover_the_values(data, numel):
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    try:
+        names = _bucket_names(raw, 1, numel)
+    except PeerPayloadError as error:
+        assert "rank 1" in str(error)
+        return
+    assert sum(int(name.rsplit("|", 1)[1]) for name in names) == numel
+
+
+def test_checkpoint_bucket_keys_that_do_not_describe_the_values_are_refused():
+    def raw(text: str) -> torch.Tensor:
+        return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+    assert _bucket_names(raw('["0,1|float32|6", "0|float32|4"]'), 1, 10) == ["0,1|float32|6", "0|float32|4"]
+    for bad in ('["0,1|float32|6"]', '{"a": 1}', '["0,1|float32|-6", "x|y|16"]', '["no-bars"]', "[1"):
+        with pytest.raises(PeerPayloadError, match="rank 1"):
+            _bucket_names(raw(bad), 1, 10)
+
+
+def test_the_runtime_validates_the_policy():
+    assert MatFormerRuntime(on_bad_payload="drop").on_bad_payload == "drop"
+    with pytest.raises(ValueError, match="MatFormerStrategy\\(on_bad_payload='warn'\\)"):
+        MatFormerRuntime(on_bad_payload="warn")
