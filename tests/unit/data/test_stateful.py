@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +153,9 @@ def test_bad_input_is_refused_with_the_fix():
 class _Batches(L.LightningModule):
     """Records the batches it trains on; its one weight moves with each batch, so the order shows in the result."""
 
-    def __init__(self) -> None:
+    def __init__(self, plain: bool = False) -> None:
         super().__init__()
+        self.plain = plain
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.seen: list[list[int]] = []
 
@@ -165,6 +167,8 @@ class _Batches(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self) -> DataLoader:
+        if self.plain:  # what the DataModules handed out before: Lightning restarts an interrupted epoch
+            return DataLoader(DATA, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3))
         return _loader()
 
 
@@ -177,8 +181,10 @@ class _SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _fit(max_steps: int, callbacks: list[Callback] = (), ckpt_path: Path | None = None) -> _Batches:
-    module = _Batches()
+def _fit(
+    max_steps: int, callbacks: list[Callback] = (), ckpt_path: Path | None = None, plain: bool = False
+) -> _Batches:
+    module = _Batches(plain)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -189,7 +195,9 @@ def _fit(max_steps: int, callbacks: list[Callback] = (), ckpt_path: Path | None 
         enable_model_summary=False,
         callbacks=list(callbacks),
     )
-    trainer.fit(module, ckpt_path=ckpt_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not resumable.*")  # the plain loader's case
+        trainer.fit(module, ckpt_path=ckpt_path)
     return module
 
 
@@ -221,3 +229,13 @@ def test_fabric_saves_and_restores_the_loader_in_its_state(tmp_path):
     assert remainder == {"step": 24}
     rest = [batch.tolist() for batch in restored] + [batch.tolist() for batch in restored]
     assert seen + rest == straight
+
+
+def test_a_plain_loader_repeats_the_interrupted_epoch(tmp_path):
+    """The control: with a plain DataLoader the resumed run restarts epoch 0 and trains on other batches."""
+    straight = _fit(20, plain=True)
+    first = _fit(7, [_SaveAt(tmp_path / "stop.ckpt", 7)], plain=True)
+    resumed = _fit(20, ckpt_path=tmp_path / "stop.ckpt", plain=True)
+    assert first.seen == straight.seen[:7] and len(resumed.seen) == 13
+    assert resumed.seen != straight.seen[7:] and resumed.seen == straight.seen[:13]
+    assert not torch.equal(resumed.weight, straight.weight)
