@@ -16,6 +16,7 @@ from lightning_hetero.strategies.registry import register_when_lightning_loads
 
 if TYPE_CHECKING:  # static analysis sees the classes; at run time they load on first access
     from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+    from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
     from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
     from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy
     from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
@@ -26,12 +27,20 @@ register_when_lightning_loads()
 
 _TRAINER_STRATEGIES = {
     "FlexDeMoStrategy": "lightning_hetero.strategies.flexdemo.trainer",
+    "LayerwiseStrategy": "lightning_hetero.strategies.layerwise.trainer",
     "MatFormerStrategy": "lightning_hetero.strategies.matformer.trainer",
     "SparseFlipStrategy": "lightning_hetero.strategies.lowbit.trainer",
     "SubspacePipelineStrategy": "lightning_hetero.strategies.subspace.trainer",
 }
 
-__all__ = ["FlexDeMoStrategy", "MatFormerStrategy", "SparseFlipStrategy", "SubspacePipelineStrategy", "__version__"]
+__all__ = [
+    "FlexDeMoStrategy",
+    "LayerwiseStrategy",
+    "MatFormerStrategy",
+    "SparseFlipStrategy",
+    "SubspacePipelineStrategy",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,18 +12,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # static analysis sees the classes; at run time they load on first access
     from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
+    from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy
     from lightning_hetero.strategies.lowbit.fabric import SparseFlipStrategy
     from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy
     from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy
 
 _FABRIC_STRATEGIES = {
     "FlexDeMoStrategy": "lightning_hetero.strategies.flexdemo.fabric",
+    "LayerwiseStrategy": "lightning_hetero.strategies.layerwise.fabric",
     "MatFormerStrategy": "lightning_hetero.strategies.matformer.fabric",
     "SparseFlipStrategy": "lightning_hetero.strategies.lowbit.fabric",
     "SubspacePipelineStrategy": "lightning_hetero.strategies.subspace.fabric",
 }
 
-__all__ = ["FlexDeMoStrategy", "MatFormerStrategy", "SparseFlipStrategy", "SubspacePipelineStrategy"]
+__all__ = [
+    "FlexDeMoStrategy",
+    "LayerwiseStrategy",
+    "MatFormerStrategy",
+    "SparseFlipStrategy",
+    "SubspacePipelineStrategy",
+]
 
 
 def __getattr__(name: str) -> Any:

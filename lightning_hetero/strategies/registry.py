@@ -97,6 +97,19 @@ BUILTIN_STRATEGIES.extend(
             description="sparseflip with start_method='spawn'",
             init_params={"start_method": "spawn"},
         ),
+        StrategySpec(
+            "layerwise",
+            "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
+            "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
+            description="Decoupled greedy layerwise training (DGL): one block per stage, local losses, forward-only",
+        ),
+        StrategySpec(
+            "layerwise_spawn",
+            "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
+            "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
+            description="layerwise (DGL) with start_method='spawn'",
+            init_params={"start_method": "spawn"},
+        ),
     ]
 )
 

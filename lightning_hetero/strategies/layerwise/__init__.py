@@ -1,0 +1,1 @@
+"""Layerwise (DGL) adapters: ``trainer.LayerwiseStrategy`` and ``fabric.LayerwiseStrategy``."""

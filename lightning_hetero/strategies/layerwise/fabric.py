@@ -1,0 +1,119 @@
+"""``LayerwiseStrategy`` for Fabric: decoupled greedy layerwise training (DGL) in your own loop.
+
+The work is done by :class:`~lightning_hetero.layerwise.dgl_runtime.DecoupledRuntime`, shared with the Trainer
+strategy. Usage::
+
+    strategy = LayerwiseStrategy(num_stages=2)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(model)  # a module holding the HF model / CNN -> this rank's stage
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # build it AFTER setup_module
+    for batch in fabric.setup_dataloaders(loader):  # every stage of a replica reads the same batches
+        loss = strategy.train_step(batch)  # this stage's local loss; its backward already ran
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.flush()  # before the end (and before evaluating or saving; fabric.save does it)
+
+``fabric.backward`` is not used. ``strategy.eval_step(batch)`` is the forward-only pass through every stage (the
+model's loss on every rank); ``fabric.save``/``fabric.load`` write and read a folder with one file per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.fabric.plugins.precision import MixedPrecision
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hetero.core import runtime_arguments
+from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.strategies.lifecycle import FabricStrategyBase
+
+__all__ = ["LayerwiseStrategy"]
+
+
+class LayerwiseStrategy(FabricStrategyBase):
+    """Fabric strategy: one block per stage, local losses, activations sent forward only.
+
+    Arguments as in the Trainer's :class:`lightning_hetero.LayerwiseStrategy` (``num_stages``, ``boundaries``,
+    ``data_parallel_size``, ``aux_head``, ``aux_outputs``, ``mode``, ``replay_capacity``, ``max_in_flight``,
+    ``activation_dtype``), plus Fabric's (``**kwargs``; see :class:`~lightning_hetero.strategies.FabricStrategyBase`).
+    """
+
+    strategy_name = "layerwise"
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        boundaries: Sequence[int] | None = None,
+        data_parallel_size: int = 1,
+        aux_head: str = "linear",
+        aux_outputs: int | None = None,
+        mode: str = "sync",
+        replay_capacity: int = 4,
+        max_in_flight: int = 2,
+        activation_dtype: str = "fp32",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's stage (after ``setup_module``)."""
+        return self.runtime.stage_index
+
+    @property
+    def stage(self) -> nn.Module:
+        """This rank's stage container (after ``setup_module``)."""
+        return self.runtime.stage
+
+    def train_step(self, batch: Any) -> Tensor:
+        """This stage's DGL step (gradients land in ``.grad``, averaged over replicas); returns its local loss."""
+        self._require_module()
+        with self.precision.forward_context():
+            return self.runtime.train_step(batch)
+
+    def eval_step(self, batch: Any) -> Tensor:
+        """Forward-only pass through every stage; the model's loss on every rank."""
+        self._require_module()
+        self.runtime.flush()
+        with self.precision.forward_context():
+            return self.runtime.eval_step(batch)
+
+    def flush(self) -> None:
+        """Finish the activations in flight (call at the end of training; evaluation and saving do it)."""
+        self.runtime.flush()
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if isinstance(self.precision, MixedPrecision) and getattr(self.precision, "scaler", None) is not None:
+            raise ValueError("LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'.")
+        self._claim_module(module)
+        return self.runtime.setup(module, self.root_device, self.global_rank)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        self._require_optimizers_follow(module, optimizers, "replaces the model by this rank's stage")
+        return module, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self.runtime.sampler_kwargs(self.global_rank)
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "With LayerwiseStrategy, fabric.backward() is not used: strategy.train_step(batch) runs this stage's "
+            "forward, local loss and backward, and returns the loss."
+        )
