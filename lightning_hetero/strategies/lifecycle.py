@@ -177,7 +177,17 @@ class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
             yield None
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._interrupted = True  # teardown must not wait for peers that may be gone
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
+        if not getattr(self, "_interrupted", False):
+            # After a normal end, no rank destroys its process group while a peer may still be inside a collective
+            # (asynchronous works finishing after their owner tore down can abort gloo at exit).
+            self.barrier("lightning_hetero_teardown")
+        self._interrupted = False
         self.runtime.teardown()
         if self._clipping_patched:
             del self.precision_plugin.clip_grad_by_norm  # the instance attribute; the class method is back
