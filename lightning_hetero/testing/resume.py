@@ -238,6 +238,8 @@ def resume_case(rank: int, world_size: int, case: str, out: Path, stop: int = 7,
         "equal": equal,
         "max_abs_diff": max_diff,
         "differing": differing[:10],
+        # What was compared: tensors and plain values per part (extra: the strategy's own checkpoint state).
+        "compared": {part: len(_leaves(value)) if value is not None else 0 for part, value in straight.final.items()},
         "same_batches": stopped.batches + resumed.batches == straight.batches,
         "stopped_at": len(stopped.batches),
         "resumed_steps": len(resumed.batches),
