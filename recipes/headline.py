@@ -3,8 +3,8 @@
 The headline file collects the few figures the README quotes (MatFormer, FlexDeMo, subspace). Benchmarks write it
 themselves, never by hand: :func:`update_headline` reads the current file, replaces one section, stamps it with the
 git revision and the UTC time, and atomically replaces the file (write to a temporary file in the same folder, then
-``os.replace``), so concurrent writers of different sections never leave a half-written file. A lock file
-serialises the read-modify-write, so two benchmarks finishing at once do not drop each other's section.
+``os.replace``), so concurrent writers of different sections never leave a half-written file. A lock on the
+folder serialises the read-modify-write, so two benchmarks finishing at once do not drop each other's section.
 
     from headline import update_headline          # recipes/ is on sys.path when a recipe runs
     update_headline("matformer", {"params": 134515008, "mem_saving_of_analytic_pct": 99.7})
@@ -54,12 +54,15 @@ def update_headline(section: str, values: dict[str, Any], path: Path = HEADLINE)
     }
     json.dumps(entry)  # fail before touching the file if a value is not JSON-serialisable
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # serialise read-modify-write between benchmarks finishing together
+    folder = os.open(path.parent, os.O_RDONLY)  # lock the folder itself: no lock file left behind
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # serialise read-modify-write between benchmarks finishing together
         document = json.loads(path.read_text()) if path.is_file() else {}
         document[section] = entry
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(handle, "w") as stream:
             stream.write(json.dumps(document, indent=1, sort_keys=True) + "\n")
         os.replace(temporary, path)
+    finally:
+        os.close(folder)  # also releases the lock
     return document
