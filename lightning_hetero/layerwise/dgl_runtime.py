@@ -273,24 +273,36 @@ class DecoupledRuntime(StrategyRuntime):
                 self.buffer.push(produced, activations)
 
     @torch.no_grad()
-    def eval_step(self, batch: Mapping[str, Any]) -> Tensor:
-        """Forward through the whole pipeline (no training); the model's loss on every rank (broadcast)."""
+    def _eval_hidden(self, batch: Mapping[str, Any]) -> Tensor:
+        """Forward-only through this stage (receiving from / sending to the neighbours on the evaluation tag)."""
         x = None
         if not self.is_first:
             size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
             x = self._link("in", EVAL_TAG).receive(size, batch_signature(batch), self._device(batch), self._dtype())
         hidden = self._features(x, batch)
-        value = torch.zeros(1, dtype=torch.float32, device=hidden.device)
-        if self.is_last:
-            value[0] = self._stack.loss(self.stage.head(hidden), batch).float()
-        else:
+        if not self.is_last:
             link = self._link("out", EVAL_TAG)
             link.send(hidden, 0, batch_signature(batch))
             link.flush_sends()
+        return hidden
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, Any]) -> Tensor:
+        """Forward through the whole pipeline (no training); the model's loss on every rank (broadcast)."""
+        hidden = self._eval_hidden(batch)
+        value = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+        if self.is_last:
+            value[0] = self._stack.loss(self.stage.head(hidden), batch).float()
         groups = self._groups
         if groups.pipeline_group is not None and self.num_stages > 1:
             comm.broadcast(value, groups.last_rank, label=comm.PIPELINE, group=groups.pipeline_group)
         return value[0]
+
+    @torch.no_grad()
+    def predict(self, batch: Mapping[str, Any]) -> Tensor | None:
+        """Forward through the whole pipeline; the model's logits on the last stage, None on the others."""
+        hidden = self._eval_hidden(batch)
+        return self.stage.head(hidden) if self.is_last else None
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

@@ -1,0 +1,315 @@
+"""DGL (strategy ``layerwise``) vs the plain and the subspace pipeline over a throttled link; DGL accuracy.
+
+Two parts, both written into ``docs/results/layerwise/results.json`` (top-level keys ``"pipeline"`` and ``"dgl"``;
+the other keys of that file belong to ``recipes/bench_layerwise.py`` and are kept):
+
+- ``pipeline``: llama-tiny on Shakespeare, one stage per testbed node (``--stages``, default 2), the same steps,
+  batches and tokens for every variant, through the bandwidth testbed (root needed):
+  ``plain`` (GPipe/1F1B pipeline, fp32 activations forward and gradients back; :mod:`recipes.bench_subspace`'s
+  worker), ``ssn16-fp32`` (the subspace pipeline, 16x fewer numbers per token), ``dgl`` / ``dgl-bf16`` (this
+  strategy's runtime: local losses, activations forward only, no bubble). Reported: tokens/s, pipeline bytes per step
+  (all stages), val loss after the run, and the operating point ``R`` = the plain pipeline's link time per step at
+  the bandwidth (its bytes per link and step / rate) over its compute time per step (its unthrottled step time).
+- ``dgl``: DGL accuracy on sklearn digits with the small CNN of :mod:`lightning_hetero.lowbit.experiments` (2 stages,
+  spawned gloo ranks; test accuracy of the last stage's classifier and of every stage's auxiliary head), next to the
+  same CNN trained end to end in one process with the same optimizer and epochs.
+
+    python recipes/bench_layerwise_dgl.py            # full (about 20-30 minutes on 2 busy cores)
+    python recipes/bench_layerwise_dgl.py --quick    # smoke run (< 2 min), writes under outputs/ only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results" / "layerwise" / "results.json"
+UNTHROTTLED = "unthrottled"
+DGL_VARIANTS = {"dgl": "fp32", "dgl-bf16": "bf16", "dgl-int8": "int8"}
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+def dgl_worker(args: argparse.Namespace) -> None:
+    """One rank of a DGL run under the testbed: train ``--steps`` steps without per-step barriers; rank 0 writes."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_hetero import comm
+    from lightning_hetero.data import ShakespeareDataModule
+    from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+    from lightning_hetero.models import CausalLMModule
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_subspace import _take
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size, seed=0)
+    data.prepare_data()
+    data.setup("fit")
+    module = CausalLMModule(preset=args.preset, config=data.hf_config_overrides(), learning_rate=args.learning_rate)
+    module.configure_model()
+    runtime = DecoupledRuntime(world, activation_dtype=DGL_VARIANTS[args.variant], aux_head="linear")
+    runtime.setup(module, torch.device("cpu"), rank)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=args.learning_rate, weight_decay=0.1)
+    torch.manual_seed(0)  # every stage must iterate the same batches in the same order
+    batches = _take(data.train_dataloader(), args.steps)
+    ledger = comm.get_ledger()
+    stamps, losses = [], []
+    dist.barrier()
+    start = time.perf_counter()
+    for step, batch in enumerate(batches):
+        ledger.set_step(step)
+        losses.append(float(runtime.train_step(batch)))
+        optimizer.step()
+        optimizer.zero_grad()
+        stamps.append(time.perf_counter())
+    runtime.flush()
+    dist.barrier()
+    total = time.perf_counter() - start
+    gaps = [b - a for a, b in zip(stamps[args.warmup :], stamps[args.warmup + 1 :], strict=False)]
+    period = torch.tensor([statistics.median(gaps) if gaps else total / len(batches)], dtype=torch.float64)
+    comm.all_reduce(period, "max", label="metrics")  # the slowest stage sets the pace
+    step_bytes = [ledger.step_totals(s).get(comm.PIPELINE, comm.LedgerTotals()).sent for s in range(len(batches))]
+    sent = torch.tensor(step_bytes, dtype=torch.float64)
+    comm.all_reduce(sent, "sum", label="metrics")
+    torch.manual_seed(1)
+    val_batches = _take(data.val_dataloader(), args.val_batches)
+    val_loss = statistics.fmean(float(runtime.eval_step(batch)) for batch in val_batches)
+    final = torch.tensor([statistics.fmean(losses[-max(1, len(losses) // 4) :])], dtype=torch.float64)
+    stage_losses = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    comm.all_gather(stage_losses, final, label="metrics")
+    if rank == 0:
+        tokens_per_step = args.batch_size * args.seq_len
+        summary = {
+            "variant": args.variant,
+            "stages": world,
+            "median_step_s": float(period),
+            "tokens_per_s": tokens_per_step / float(period),
+            "tokens_per_s_incl_fill": tokens_per_step * len(batches) / total,
+            "pipeline_bytes_per_step": float(statistics.median(sent.tolist()[args.warmup :])),
+            "first_step_pipeline_bytes": float(sent[0]),
+            "tokens": tokens_per_step * len(batches),
+            "val_loss": val_loss,
+            "final_train_loss_per_stage": [float(x) for x in stage_losses],
+        }
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    dist.destroy_process_group()
+
+
+def _run(command: list[str], tag: str, cwd: Path) -> None:
+    completed = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{tag} failed (exit {completed.returncode}):\n{completed.stdout[-3000:]}{completed.stderr}")
+
+
+def run_dgl_under_testbed(variant: str, bandwidth: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    tag = f"{variant}-{bandwidth}"
+    out = out_dir / f"{tag}.json"
+    command = [sys.executable, "-m", "lightning_hetero.testbed", "--nodes", str(args.stages), "--ranks-per-node", "1"]
+    command += ["--report", str(out_dir / f"{tag}-testbed.json"), "--timeout", str(args.timeout)]
+    if bandwidth != UNTHROTTLED:
+        command += ["--bandwidth", bandwidth]
+    command += [
+        "--",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--variant",
+        variant,
+        "--out",
+        str(out),
+    ]
+    for name in ("preset", "steps", "warmup", "batch_size", "seq_len", "val_batches", "learning_rate"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    start = time.perf_counter()
+    _run(command, tag, out_dir)
+    summary = json.loads(out.read_text())
+    summary.update(bandwidth=bandwidth, wall_s=time.perf_counter() - start)
+    return summary
+
+
+def pipeline_part(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """DGL vs plain vs subspace pipeline on the testbed; R from the plain pipeline's unthrottled step time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_subspace
+
+    sub_args = argparse.Namespace(**{**vars(args), "microbatches": args.microbatches, "schedule": args.schedule})
+    runs: list[dict[str, Any]] = []
+    for bandwidth in [UNTHROTTLED, *args.bandwidths]:
+        variants = ["plain"] if bandwidth == UNTHROTTLED else args.variants
+        for variant in variants:
+            if variant in DGL_VARIANTS:
+                run = run_dgl_under_testbed(variant, bandwidth, args, out_dir)
+            else:
+                run = bench_subspace.run_under_testbed(variant, bandwidth, sub_args, out_dir)
+                run.pop("train_losses", None)
+            runs.append(run)
+            line = f"{variant:>10} @ {bandwidth:>11}: {run['tokens_per_s']:8.0f} tok/s, "
+            line += f"{run['pipeline_bytes_per_step']:.0f} B/step, val loss {run['val_loss']:.4f}"
+            print(line, file=sys.stderr)
+    from lightning_hetero.comm import parse_bandwidth
+
+    compute_s = next(r["median_step_s"] for r in runs if r["variant"] == "plain" and r["bandwidth"] == UNTHROTTLED)
+    operating_points = {}
+    for bandwidth in args.bandwidths:
+        plain = next((r for r in runs if r["variant"] == "plain" and r["bandwidth"] == bandwidth), None)
+        if plain is None:
+            continue
+        links = max(1, args.stages - 1)
+        link_s = plain["pipeline_bytes_per_step"] / links / parse_bandwidth(bandwidth)  # bytes/s per link
+        operating_points[bandwidth] = {"link_s_per_step": link_s, "compute_s_per_step": compute_s,
+                                       "R": link_s / compute_s}  # fmt: skip
+        for run in runs:
+            if run["bandwidth"] == bandwidth:
+                run["speedup_vs_plain"] = run["tokens_per_s"] / plain["tokens_per_s"]
+                run["bytes_vs_plain"] = run["pipeline_bytes_per_step"] / plain["pipeline_bytes_per_step"]
+    return {"runs": runs, "operating_points": operating_points}
+
+
+def accuracy_worker(rank: int, world_size: int, epochs: int, batch_size: int, train_limit: int) -> dict[str, Any]:
+    """One rank of DGL on digits (CNN, 2 stages): train, then the test accuracy of its local head (stage 0) and of
+    the whole model (last stage)."""
+    import torch
+    from torch import nn
+
+    from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+    from lightning_hetero.lowbit.experiments import build_model, load_dataset
+
+    torch.manual_seed(0)
+    x_train, y_train, x_test, y_test = load_dataset("digits")
+    x_train, y_train = x_train[:train_limit], y_train[:train_limit]
+    holder = nn.Module()
+    holder.model = build_model("cnn", x_train.shape[-1])
+    runtime = DecoupledRuntime(world_size, aux_head="mlp")
+    runtime.setup(holder, torch.device("cpu"), rank)
+    optimizer = torch.optim.Adam(runtime.stage.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(epochs):
+        order = torch.randperm(len(x_train), generator=generator)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
+            runtime.train_step({"pixel_values": x_train[index], "labels": y_train[index]})
+            optimizer.step()
+            optimizer.zero_grad()
+    runtime.flush()
+    test = {"pixel_values": x_test, "labels": y_test}
+    logits = runtime.predict(test)
+    result: dict[str, Any] = {"stage": runtime.stage_index}
+    if logits is not None:
+        result["test_accuracy"] = float((logits.argmax(-1) == y_test).float().mean())
+    if runtime.stage_index == 0:  # its auxiliary head alone: what a 1-block model would score
+        with torch.no_grad():
+            hidden = runtime.stage.block(runtime.stage.stem(x_test), {})
+            result["aux_test_accuracy"] = float((runtime.stage.head(hidden).argmax(-1) == y_test).float().mean())
+    return result
+
+
+def end_to_end_digits(epochs: int, batch_size: int, train_limit: int) -> float:
+    """The same CNN, optimizer and epochs trained end to end in one process; test accuracy."""
+    import torch
+
+    from lightning_hetero.lowbit.experiments import build_model, load_dataset
+
+    torch.manual_seed(0)
+    x_train, y_train, x_test, y_test = load_dataset("digits")
+    x_train, y_train = x_train[:train_limit], y_train[:train_limit]
+    model = build_model("cnn", x_train.shape[-1])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(epochs):
+        order = torch.randperm(len(x_train), generator=generator)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
+            loss = torch.nn.functional.cross_entropy(model(x_train[index]), y_train[index])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with torch.no_grad():
+        return float((model(x_test).argmax(-1) == y_test).float().mean())
+
+
+def dgl_part(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_hetero.testing import run_distributed
+
+    results = run_distributed(accuracy_worker, 2, args.epochs, 32, args.train_limit, timeout=args.timeout)
+    last = next(r for r in results if "test_accuracy" in r)
+    first = next(r for r in results if r["stage"] == 0)
+    return {
+        "digits_cnn": {
+            "stages": 2,
+            "epochs": args.epochs,
+            "train_samples": args.train_limit,
+            "dgl_test_accuracy": last["test_accuracy"],
+            "dgl_stage0_aux_test_accuracy": first["aux_test_accuracy"],
+            "end_to_end_test_accuracy": end_to_end_digits(args.epochs, 32, args.train_limit),
+        }
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="dgl", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke run: few steps, one epoch; writes under outputs/")
+    parser.add_argument("--bandwidths", nargs="+", default=["80mbit"])
+    parser.add_argument("--variants", nargs="+", default=["plain", "ssn16-fp32", "dgl", "dgl-bf16"])
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages = testbed nodes")
+    parser.add_argument("--preset", default="llama-tiny")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4, help="of the plain/subspace pipelines")
+    parser.add_argument("--schedule", default="1f1b", help="of the plain/subspace pipelines")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=15, help="digits CNN epochs")
+    parser.add_argument("--train-limit", type=int, default=100_000, help="digits training samples used")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "dgl"])
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--results", type=Path, default=None, help=f"results JSON (default {RESULTS})")
+    args = parser.parse_args()
+    if args.worker:
+        dgl_worker(args)
+        return
+    if args.quick:
+        args.steps, args.warmup, args.val_batches, args.epochs, args.train_limit = 5, 1, 1, 1, 256
+        args.variants, args.seq_len = ["plain", "dgl"], 32
+    default_dir = REPO / "outputs" / ("bench_layerwise_dgl_quick" if args.quick else "bench_layerwise_dgl")
+    out_dir = (args.out_dir or default_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = args.results or (out_dir / "results.json" if args.quick else RESULTS)
+    from lightning_hetero.data import ShakespeareDataModule
+
+    ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size).prepare_data()  # tokenize once
+    revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    import torch
+
+    meta = {"command": " ".join(["python", "recipes/bench_layerwise_dgl.py", *sys.argv[1:]]), "git_revision": revision,
+            "torch": torch.__version__, "config": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if "pipeline" not in args.skip:
+        results["pipeline"] = {**meta, **pipeline_part(args, out_dir)}
+    if "dgl" not in args.skip:
+        results["dgl"] = {**meta, **dgl_part(args)}
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=1))
+    print(json.dumps({key: results[key] for key in ("pipeline", "dgl") if key in results}, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
