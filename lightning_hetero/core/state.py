@@ -121,6 +121,14 @@ def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None)
     return value
 
 
+def _check_lengths(lengths: list[int], max_bytes: int) -> None:
+    for rank, announced in enumerate(lengths):
+        if not 0 <= announced <= max_bytes:
+            raise PeerPayloadError(
+                f"rank {rank} announced a {announced}-byte setup document; the bound is {max_bytes} bytes.", rank
+            )
+
+
 def all_gather_json(
     payload: Any,
     world_size: int,
@@ -140,15 +148,12 @@ def all_gather_json(
     """
     data = torch.tensor(list(json.dumps(payload, sort_keys=True, default=str).encode()), dtype=torch.uint8)
     if world_size == 1:
+        _check_lengths([data.numel()], max_bytes)
         return [decode_json_payload(bytes(data.tolist()), 0, schema)]
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(lengths, length, label=label)
-    for rank, announced in enumerate(lengths.tolist()):
-        if not 0 <= announced <= max_bytes:
-            raise PeerPayloadError(
-                f"rank {rank} announced a {announced}-byte setup document; the bound is {max_bytes} bytes.", rank
-            )
+    _check_lengths(lengths.tolist(), max_bytes)
     size = int(lengths.max())
     padded = torch.zeros(size, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data.to(device)
