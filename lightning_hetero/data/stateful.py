@@ -131,7 +131,7 @@ class StatefulDataLoader(DataLoader):
 
     def _epoch_owner(self) -> Any:
         """The sampler whose ``set_epoch`` decides the order (None: the order does not depend on the epoch)."""
-        for candidate in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+        for candidate in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             if callable(getattr(candidate, "set_epoch", None)):
                 return candidate
         return None

@@ -118,6 +118,33 @@ def test_distributed_sampler_position_and_a_different_world_size():
     assert odd.state_dict()["batches_yielded"] == 7  # 15 samples: 7 whole batches of 2
 
 
+class _EpochBatches:
+    """A user's batch sampler with its own ``set_epoch``: pairs in an order that depends on the epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 20
+
+    def __iter__(self):
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return iter([order[i : i + 2] for i in range(0, 40, 2)])
+
+
+def test_a_batch_sampler_with_set_epoch_is_restored_too():
+    straight = StatefulDataLoader(DATA, batch_sampler=_EpochBatches())
+    straight.batch_sampler.set_epoch(2)
+    expected = [batch.tolist() for batch in straight]
+    resumed = StatefulDataLoader(DATA, batch_sampler=_EpochBatches())
+    resumed.load_state_dict({"epoch": 2, "batches_yielded": 6})
+    assert resumed.batch_sampler.epoch == 2
+    assert [batch.tolist() for batch in resumed] == expected[6:]
+
+
 def _epochs_of(loader: StatefulDataLoader, epoch: int) -> list[list[int]]:
     loader.sampler.set_epoch(epoch)
     return [batch.tolist() for batch in loader]
