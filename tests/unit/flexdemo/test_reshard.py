@@ -26,8 +26,11 @@ def _rows(full: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
     return full[shard * chunk : (shard + 1) * chunk]
 
 
-def _write_saved_run(directory: Path) -> dict[str, torch.Tensor]:
-    """Parts of a 2 x 2 run of ``nn.Linear(3, 5)``: weight/bias sharded by rows, per-replica error feedback."""
+def _write_saved_run(directory: Path, trainer: bool = False) -> dict[str, torch.Tensor]:
+    """Parts of a 2 x 2 run of ``nn.Linear(3, 5)``: weight/bias sharded by rows, per-replica error feedback.
+
+    ``trainer``: the Lightning Trainer's layout (``state_dict``, ``optimizer_states`` list) instead of Fabric's.
+    """
     torch.manual_seed(0)
     full = {"weight": torch.randn(5, 3), "bias": torch.randn(5)}
     errors = [{"weight": torch.randn(5, 3), "bias": torch.randn(5)} for _ in range(2)]  # per replica
@@ -53,6 +56,8 @@ def _write_saved_run(directory: Path) -> dict[str, torch.Tensor]:
             "step": 3,
             "rank_written": rank,
         }
+        if trainer:
+            part = {"state_dict": part.pop("model"), "optimizer_states": [part.pop("optimizer")], **part}
         write_part(directory, f"rank_{rank:05d}", part)
     return {
         **{f"full.{k}": v for k, v in full.items()},
@@ -127,3 +132,15 @@ def test_a_damaged_saved_part_is_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(CorruptCheckpointError, match="rank_00003"):
         _load(tmp_path, TargetLayout(1, 0, 1, 0), nn.Linear(3, 5))
+
+
+def test_trainer_checkpoint_layout_is_re_cut_too(tmp_path):
+    saved = _write_saved_run(tmp_path, trainer=True)
+    module = nn.Linear(3, 5)
+    shapes = {"weight": [5, 3], "bias": [5]}
+    names = [f"rank_{rank:05d}" for rank in range(SAVED.world_size)]
+    part = load_resharded_part(tmp_path, names, SAVED, TargetLayout(1, 0, 1, 0), shapes, module, [*module.parameters()])
+    assert torch.equal(part["state_dict"]["weight"], saved["full.weight"])
+    mean = ((saved["error0.bias"].double() + saved["error1.bias"].double()) / 2).float()
+    assert torch.equal(part["optimizer_states"][0]["state"][1]["error"], mean)
+    assert torch.equal(part["optimizer_states"][0]["state"][1]["exp_avg"], saved["moment.bias"])
