@@ -146,7 +146,7 @@ def _agent(node: int, args: argparse.Namespace, port: int, out: Path) -> subproc
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc: torchrun starts its workers in sessions of their own)."""
+    """Every live descendant of ``pid`` (from /proc: torchrun's workers are not in their agent's process group)."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
