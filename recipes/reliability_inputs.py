@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lightning_hetero.comm import codecs
+from lightning_hetero.comm.dump import load_ledger_dumps
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.core import load_part, part_file
 from lightning_hetero.core.state import decode_json_payload
@@ -150,6 +151,12 @@ def _malicious_checkpoint() -> dict[str, Any]:
         finally:
             if marker.exists():
                 raise RuntimeError("the malicious pickle ran: load_part executed code from the checkpoint")
+
+
+def _ledger_dump(content: str) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "ledger-rank1-pid2.json").write_text(content)
+        return load_ledger_dumps(folder)
 
 
 # ------------------------------------------------------------------------------------------------ validity
@@ -299,6 +306,8 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
             _valid,
         ),
         ("core checkpoint part (torch.load weights_only=True)", "malicious pickle", _malicious_checkpoint, _valid),
+        ("testbed ledger dumps", "truncated JSON (killed rank)", lambda: _ledger_dump('{"rank": 0, "pi'), _valid),
+        ("testbed ledger dumps", "wrong field types", lambda: _ledger_dump('{"rank": "0", "pid": []}'), _valid),
     ]
     for seed in range(random_cases):
         cases.append(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hetero.comm.ledger import ByteLedger, get_ledger
+from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
 
 LEDGER_DIR_ENV = "LIGHTNING_HETERO_LEDGER_DIR"
 """Environment variable naming the directory the ledger is dumped into at exit."""
@@ -55,9 +56,60 @@ def dump_ledger(directory: str | os.PathLike[str], ledger: ByteLedger | None = N
     return path
 
 
-def load_ledger_dumps(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every dump in ``directory``, ordered by (rank, pid)."""
-    dumps = [json.loads(path.read_text()) for path in Path(directory).glob("ledger-rank*-pid*.json")]
+MAX_DUMP_BYTES = 256 << 20
+"""A ledger dump larger than this is refused (a dump holds a few dozen bytes per step and label)."""
+_DUMP_FIELDS: dict[str, tuple[type, ...]] = {
+    "rank": (int, type(None)),
+    "node_rank": (int, type(None)),
+    "local_rank": (int, type(None)),
+    "pid": (int,),
+    "totals": (dict,),
+    "steps": (dict,),
+}
+
+
+def read_ledger_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """One dump, checked: at most :data:`MAX_DUMP_BYTES`, JSON, the fields :func:`ledger_summary` writes.
+
+    Raises:
+        PeerPayloadError: the file is too large, not JSON (e.g. cut short by a killed rank) or of another shape.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_DUMP_BYTES:
+        raise PeerPayloadError(f"ledger dump {path} is {size} bytes, more than the {MAX_DUMP_BYTES}-byte bound.")
+    try:
+        dump = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise PeerPayloadError(f"ledger dump {path} is not JSON ({error}); was its process killed?") from None
+    bad = (
+        [f for f, types in _DUMP_FIELDS.items() if not isinstance(dump.get(f), types) or isinstance(dump.get(f), bool)]
+        if isinstance(dump, dict)
+        else ["<not an object>"]
+    )
+    if bad:
+        raise PeerPayloadError(
+            f"ledger dump {path} has missing or mistyped field(s) {bad}; not a lightning-hetero dump."
+        )
+    return dump
+
+
+def load_ledger_dumps(directory: str | os.PathLike[str], on_bad_payload: str = "raise") -> list[dict[str, Any]]:
+    """Every dump in ``directory``, ordered by (rank, pid), each checked by :func:`read_ledger_dump`.
+
+    Args:
+        directory: Where the processes dumped their ledgers.
+        on_bad_payload: ``"raise"`` on an unreadable dump, or ``"drop"`` it (logged as a warning).
+    """
+    validate_on_bad_payload("load_ledger_dumps", on_bad_payload)
+    dumps = []
+    for path in sorted(Path(directory).glob("ledger-rank*-pid*.json")):
+        try:
+            dumps.append(read_ledger_dump(path))
+        except PeerPayloadError as error:
+            if on_bad_payload != "drop":
+                raise
+            report_dropped(error, "ledger dump left out of the report")
     return sorted(dumps, key=lambda d: (d["rank"] if d["rank"] is not None else -1, d["pid"]))
 
 

@@ -26,6 +26,6 @@ def test_every_forged_input_is_rejected_and_no_input_crashes_or_is_applied_inval
     assert result["forged_inputs_rejected"] == result["forged_inputs_tried"] >= 30
     assert result["bad_inputs_tried"] == len(result["cases"]) == result["forged_inputs_tried"] + 4 * 3
     decoders = {case["decoder"].split()[0] for case in result["cases"]}
-    assert {"flexdemo", "lowbit", "matformer", "core", "subspace", "comm.codecs"} <= decoders
+    assert {"flexdemo", "lowbit", "matformer", "core", "subspace", "comm.codecs", "testbed"} <= decoders
     pickle_case = next(c for c in result["cases"] if c["input"] == "malicious pickle")
     assert pickle_case["outcome"] == "rejected" and pickle_case["error"].startswith("UnpicklingError")

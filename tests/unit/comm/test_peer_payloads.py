@@ -9,7 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_hetero.comm import codecs
+from lightning_hetero.comm import ByteLedger, codecs
+from lightning_hetero.comm.dump import dump_ledger, load_ledger_dumps
 from lightning_hetero.comm.validation import (
     PeerPayloadError,
     check_finite,
@@ -126,3 +127,22 @@ def test_all_gather_json_checks_the_schema_on_a_single_rank_too():
     ]
     with pytest.raises(PeerPayloadError, match="rank 0 sent step='1' of type str"):
         all_gather_json({"error": None, "schema": {}, "step": "1"}, 1, torch.device("cpu"), schema=SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"rank": 0, "pid": 1, "tot', "is not JSON"),  # a rank killed while writing
+        ('{"rank": "0", "node_rank": null, "local_rank": null, "pid": 1, "totals": {}, "steps": {}}', "'rank'"),
+        ("[]", "<not an object>"),
+    ],
+)
+def test_a_broken_ledger_dump_is_refused_naming_the_file_or_dropped(tmp_path, content, match, caplog):
+    good = dump_ledger(tmp_path, ByteLedger())
+    broken = tmp_path / "ledger-rank1-pid2.json"
+    broken.write_text(content)
+    with pytest.raises(PeerPayloadError, match=f"ledger dump .*ledger-rank1-pid2.json .*{match}"):
+        load_ledger_dumps(tmp_path)
+    kept = load_ledger_dumps(tmp_path, on_bad_payload="drop")
+    assert [d["pid"] for d in kept] == [json.loads(good.read_text())["pid"]]
+    assert "ledger dump left out" in caplog.text
