@@ -1,7 +1,7 @@
 """Fault-injection runs for docs/reliability.md: killed rank, hung peer, crash during a save, corrupted checkpoint,
 clean shutdown; then docs/results/reliability.json from these runs and the sibling results.
 
-Each fault run is a torchrun job (``--max-restarts 1``, c10d rendezvous, one agent per node) of
+Each fault run is a torchrun job (``--max-restarts 3``, c10d rendezvous, one agent per node) of
 ``recipes/reliability_worker.py``: a tiny model, a checkpoint every ``--every`` steps, auto-resume from the newest good
 checkpoint. The fault fires in the first attempt only; the job must finish by itself, and its final parameters are
 compared bitwise with an uninterrupted run of the same job.
@@ -65,7 +65,7 @@ def run_job(
     every: int,
     timeout: float,
     fault: str | None = None,
-    max_restarts: int = 1,
+    max_restarts: int = 3,
     launcher: str = "local",
     limit: float = 1500.0,
 ) -> dict[str, Any]:
@@ -84,7 +84,9 @@ def run_job(
         if launcher == "testbed":
             torchrun = " ".join(_torchrun(nodes, ranks_per_node, max_restarts, "$MASTER_ADDR:$MASTER_PORT"))
             # Inside a namespace the hostname does not resolve, so node 0 is told it hosts the rendezvous store.
+            # Its workers must also be given the node's own address (torchrun would hand out "localhost").
             host = '--rdzv-conf is_host=$([ "$NODE_RANK" = 0 ] && echo true || echo false)'
+            host += " --local-addr 10.213.0.$((NODE_RANK + 1))"
             inner = f"exec {torchrun} {host} {' '.join(worker)}"
             command = [sys.executable, "-m", "lightning_hetero.testbed", "--nodes", str(nodes), "--ranks-per-node"]
             command += [str(ranks_per_node), "--launch", "per-node", "--timeout", str(limit), "--failure-grace", "60"]
@@ -297,6 +299,24 @@ def aggregate() -> dict[str, Any]:
     return summary
 
 
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The fault x strategy table of docs/reliability.md, from the summary."""
+    lines = [
+        "| fault | strategy | survived | steps lost | resumed state equal | seconds (whole job) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in summary["fault_runs"]:
+        lines.append(
+            f"| {run['fault']} | {run['strategy']} | {'yes' if run['survived'] else 'NO'} | {run['steps_lost']} | "
+            f"{'bit-identical' if run['bit_identical'] else run['bit_identical']} | {run['seconds']} |"
+        )
+    for run in summary["clean_shutdown"]:
+        lines.append(
+            f"| clean shutdown x{run['runs']} | {run['strategy']} | {run['clean']}/{run['runs']} exit 0 | | | |"
+        )
+    return "\n".join(lines)
+
+
 def checkpoint_cost(reference: Path, strategy: str) -> dict[str, Any] | None:
     saves = _load(reference / "saves.json")
     if not saves:
@@ -330,7 +350,9 @@ def main() -> None:
     parser.add_argument("--aggregate-only", action="store_true")
     args = parser.parse_args()
     if args.aggregate_only:
-        print(json.dumps(aggregate(), indent=1))
+        summary = aggregate()
+        print(json.dumps(summary, indent=1))
+        print(markdown_table(summary))
         return
     if args.quick:
         args.scenarios, args.strategies, args.shutdown_strategies, args.repeats = (

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from lightning_hetero.callbacks import VerifiedCheckpoint
-from lightning_hetero.reliability import FaultPlan, explain_collective_error, latest_good_checkpoint, restart_count
+from lightning_hetero.reliability import FaultPlan, explain_collective_error, latest_good_checkpoint
 
 VOCAB = 64
 LLAMA = {
@@ -146,13 +146,22 @@ class FaultsAndRecords(L.Callback):
 
     def __init__(self, out: Path, checkpoints: Path, resumed_from: Path | None, saver: VerifiedCheckpoint) -> None:
         self.out, self.checkpoints, self.resumed_from, self.saver = out, checkpoints, resumed_from, saver
-        self.plan = FaultPlan.from_env()
-        self.attempt = restart_count()
+        plan = FaultPlan.from_env()
+        self.plan = None if plan is None else FaultPlan(plan.kind, plan.rank, plan.step, attempt=None)
+        attempts = out / "attempts.jsonl"
+        self.attempt = len(attempts.read_text().splitlines()) if attempts.is_file() else 0
 
     def _fire(self, kind: str, trainer: L.Trainer) -> None:
-        if self.plan is not None and self.plan.applies(kind, trainer.global_rank, trainer.global_step):
+        # Once per job: the marker file, not TORCHELASTIC_RESTART_COUNT, which each node's agent counts on its own
+        # (an agent restarting because of the other node's failure may not count it).
+        marker = self.out / "fault.json"
+        if (
+            self.plan is not None
+            and not marker.exists()
+            and self.plan.applies(kind, trainer.global_rank, trainer.global_step)
+        ):
             record = {"kind": kind, "rank": trainer.global_rank, "step": trainer.global_step, "time": time.time()}
-            (self.out / "fault.json").write_text(json.dumps(record))
+            marker.write_text(json.dumps(record))
             self.plan.maybe_fire(kind, trainer.global_rank, trainer.global_step, self.checkpoints)
 
     @override
@@ -160,6 +169,7 @@ class FaultsAndRecords(L.Callback):
         if trainer.is_global_zero:
             record = {
                 "attempt": self.attempt,
+                "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "resumed_from": self.resumed_from.name if self.resumed_from else None,
                 "start_step": trainer.global_step,
                 "time": time.time(),
