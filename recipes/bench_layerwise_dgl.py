@@ -1,6 +1,6 @@
 """DGL (strategy ``layerwise``) vs the plain and the subspace pipeline over a throttled link; DGL accuracy.
 
-Two parts, both written into ``docs/results/layerwise/results.json`` (top-level keys ``"pipeline"`` and ``"dgl"``;
+Three parts, written into ``docs/results/layerwise/results.json`` (top-level keys ``"pipeline"`` and ``"dgl"``;
 the other keys of that file belong to ``recipes/bench_layerwise.py`` and are kept):
 
 - ``pipeline``: llama-tiny on Shakespeare, one stage per testbed node (``--stages``, default 2), the same steps,
@@ -9,13 +9,20 @@ the other keys of that file belong to ``recipes/bench_layerwise.py`` and are kep
   worker), ``ssn16-fp32`` (the subspace pipeline, 16x fewer numbers per token), ``dgl`` / ``dgl-bf16`` (this
   strategy's runtime: local losses, activations forward only, no bubble). Reported: tokens/s, pipeline bytes per step
   (all stages), val loss after the run, and the operating point ``R`` = the plain pipeline's link time per step at
-  the bandwidth (its bytes per link and step / rate) over its compute time per step (its unthrottled step time).
-- ``dgl``: DGL accuracy on sklearn digits with the small CNN of :mod:`lightning_hetero.lowbit.experiments` (2 stages,
-  spawned gloo ranks; test accuracy of the last stage's classifier and of every stage's auxiliary head), next to the
-  same CNN trained end to end in one process with the same optimizer and epochs.
+  the bandwidth (its bytes per boundary and direction per step / rate) over its compute time per step (its step time
+  on unthrottled links, an upper bound, so ``R`` is a lower bound).
+- ``dgl["matched"]``: DGL (2 stages, spawned gloo ranks) on exactly what ``recipes/bench_layerwise.py`` trains end to
+  end and greedily: its CNN and ViT on MNIST-5k (test accuracy) and llama-tiny on Shakespeare (val loss), its data,
+  seeded batches, AdamW + warmup-cosine schedule, learning rates, steps and evaluation; compare with its
+  ``"end_to_end"`` and ``"greedy"`` rows in the same file.
+- ``dgl["digits_cnn"]``: DGL accuracy on sklearn digits with the small CNN of
+  :mod:`lightning_hetero.lowbit.experiments` (2 stages, spawned gloo ranks; test accuracy of the last stage's
+  classifier and of stage 0's auxiliary head), next to the same CNN trained end to end in one process with the same
+  optimizer and epochs.
 
-    python recipes/bench_layerwise_dgl.py            # full (about 20-30 minutes on 2 busy cores)
-    python recipes/bench_layerwise_dgl.py --quick    # smoke run (< 2 min), writes under outputs/ only
+    python recipes/bench_layerwise_dgl.py            # full (about an hour on 2 busy cores)
+    python recipes/bench_layerwise_dgl.py --skip digits matched   # only the testbed comparison
+    python recipes/bench_layerwise_dgl.py --quick    # smoke run (about 10 min here), writes under outputs/ only
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ def pipeline_part(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_subspace
 
-    sub_args = argparse.Namespace(**{**vars(args), "microbatches": args.microbatches, "schedule": args.schedule})
+    sub_args = argparse.Namespace(**{**vars(args), "speed_steps": None, "headline": False})
     runs: list[dict[str, Any]] = []
     for bandwidth in [UNTHROTTLED, *args.bandwidths]:
         variants = ["plain"] if bandwidth == UNTHROTTLED else args.variants
@@ -166,8 +173,9 @@ def pipeline_part(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         plain = next((r for r in runs if r["variant"] == "plain" and r["bandwidth"] == bandwidth), None)
         if plain is None:
             continue
-        links = max(1, args.stages - 1)
-        link_s = plain["pipeline_bytes_per_step"] / links / parse_bandwidth(bandwidth)  # bytes/s per link
+        # per boundary and direction (links are full duplex): the plain pipeline sends forward and backward
+        directions = 2 * max(1, args.stages - 1)
+        link_s = 8 * plain["pipeline_bytes_per_step"] / directions / parse_bandwidth(bandwidth)  # bit/s
         operating_points[bandwidth] = {"link_s_per_step": link_s, "compute_s_per_step": compute_s,
                                        "R": link_s / compute_s}  # fmt: skip
         for run in runs:
@@ -257,6 +265,78 @@ def dgl_part(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+MATCHED_STEPS = {"cnn": 1500, "vit": 800, "llama": 300}
+"""Steps of ``recipes/bench_layerwise.py``'s end-to-end runs (its models, data, batches, schedule and evaluation)."""
+
+
+def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: bool) -> dict[str, Any]:
+    """One rank of DGL on exactly what ``recipes/bench_layerwise.py`` trains end to end and greedily (its model
+    ``name``, data, seeded batch sequence, AdamW + warmup-cosine schedule, learning rate, aux head, evaluation)."""
+    import torch
+    from torch import nn
+
+    from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_layerwise as l1
+
+    torch.set_num_threads(1)
+    train, evaluation, vocab = l1.text_data(quick) if name == "llama" else l1.image_data(quick)
+    lr = {"cnn": 3e-3, "vit": 2e-3, "llama": 3e-3}[name]
+    aux = "lm_head" if name == "llama" else "linear"
+    holder = nn.Module()
+    holder.model = l1.make_model(name, vocab)
+    runtime = DecoupledRuntime(world_size, aux_head=aux)
+    runtime.setup(holder, torch.device("cpu"), rank)
+    optimizer = torch.optim.AdamW(runtime.stage.parameters(), lr=lr, weight_decay=0.0)
+    draw = l1._sampler(train, 16 if name == "llama" else 64)
+    start = time.perf_counter()
+    for step in range(steps):
+        l1._schedule(optimizer, lr, step, steps, warmup=min(50, steps // 10))
+        optimizer.zero_grad(set_to_none=True)
+        runtime.train_step(draw(step))
+        optimizer.step()
+    runtime.flush()
+    seconds = time.perf_counter() - start
+    runtime.stage.eval()
+    outputs = [runtime.predict(batch) for batch in evaluation]
+    if not runtime.is_last:
+        return {"stage": runtime.stage_index}
+    row: dict[str, Any] = {"model": name, "stages": world_size, "steps": steps, "lr": lr, "aux_head": aux}
+    row["train_seconds"] = seconds
+    if name == "llama":
+        losses = [float(runtime.stack.loss(logits, batch)) for logits, batch in zip(outputs, evaluation, strict=True)]
+        row["val_loss"] = sum(losses) / len(losses)
+    else:
+        correct = sum(int((o.argmax(-1) == b["labels"]).sum()) for o, b in zip(outputs, evaluation, strict=True))
+        row["accuracy"] = correct / sum(len(b["labels"]) for b in evaluation)
+    return row
+
+
+def matched_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from lightning_hetero.testing import run_distributed
+
+    rows = []
+    for name in args.matched:
+        steps = 10 if args.quick else MATCHED_STEPS[name]
+        results = run_distributed(matched_worker, 2, name, steps, args.quick, timeout=args.timeout * 3)
+        row = next(r for r in results if "model" in r)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _update_results(path: Path, entries: dict[str, Any]) -> dict[str, Any]:
+    """Re-read ``path`` and replace only ``entries``' keys (other recipes write other keys of the same file)."""
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results.update(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(results, indent=1))
+    os.replace(temporary, path)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -278,7 +358,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15, help="digits CNN epochs")
     parser.add_argument("--train-limit", type=int, default=100_000, help="digits training samples used")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "dgl"])
+    parser.add_argument("--matched", nargs="*", default=["cnn", "llama", "vit"], choices=sorted(MATCHED_STEPS),
+                        help="DGL on recipes/bench_layerwise.py's models, data and steps")  # fmt: skip
+    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "digits", "matched"])
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--results", type=Path, default=None, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
@@ -287,7 +369,7 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.warmup, args.val_batches, args.epochs, args.train_limit = 5, 1, 1, 1, 256
-        args.variants, args.seq_len = ["plain", "dgl"], 32
+        args.variants, args.seq_len, args.matched = ["plain", "dgl"], 32, ["cnn"]
     default_dir = REPO / "outputs" / ("bench_layerwise_dgl_quick" if args.quick else "bench_layerwise_dgl")
     out_dir = (args.out_dir or default_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -300,13 +382,17 @@ def main() -> None:
 
     meta = {"command": " ".join(["python", "recipes/bench_layerwise_dgl.py", *sys.argv[1:]]), "git_revision": revision,
             "torch": torch.__version__, "config": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     if "pipeline" not in args.skip:
-        results["pipeline"] = {**meta, **pipeline_part(args, out_dir)}
-    if "dgl" not in args.skip:
-        results["dgl"] = {**meta, **dgl_part(args)}
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(json.dumps(results, indent=1))
+        results = _update_results(results_path, {"pipeline": {**meta, **pipeline_part(args, out_dir)}})
+    if "digits" not in args.skip or "matched" not in args.skip:
+        previous = json.loads(results_path.read_text()).get("dgl", {}) if results_path.is_file() else {}
+        dgl = {**previous, **meta}
+        if "digits" not in args.skip:
+            dgl.update(dgl_part(args))
+        if "matched" not in args.skip:
+            dgl["matched"] = matched_part(args)
+        results = _update_results(results_path, {"dgl": dgl})
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     print(json.dumps({key: results[key] for key in ("pipeline", "dgl") if key in results}, indent=1))
 
 

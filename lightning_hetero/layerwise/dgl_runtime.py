@@ -166,7 +166,10 @@ class DecoupledRuntime(StrategyRuntime):
             groups = self._groups
             peer = groups.next_rank if direction == "out" else groups.prev_rank
             asynchronous = self.mode == "async" and tag == TRAIN_TAG
-            self._links[key] = ActivationLink(peer, self.activation_dtype, tag, asynchronous, self.max_in_flight)
+            link = ActivationLink(peer, self.activation_dtype, tag, asynchronous, self.max_in_flight)
+            if tag == TRAIN_TAG:  # one training message per step and boundary: count from the (resumed) step
+                link.messages_sent = link.messages_received = self.steps
+            self._links[key] = link
         return self._links[key]
 
     # ------------------------------------------------------------------------------------------------ setup
