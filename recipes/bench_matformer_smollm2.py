@@ -218,6 +218,19 @@ def memory_headline(memory: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def merge_finetune(results_dir: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """Keep the runs of other methods from an earlier ``finetune`` with the same settings (e.g. one more method)."""
+    path = results_dir / "results.json"
+    old = json.loads(path.read_text()).get("finetune") if path.is_file() else None
+    same = ("bandwidth", "steps", "batch", "lr_grid")
+    if not old or any(old.get(key) != new.get(key) for key in same):
+        return new
+    merged = {**old, **new}
+    for key in ("search", "testbed", "best_lr"):
+        merged[key] = {**old.get(key, {}), **new.get(key, {})}
+    return merged
+
+
 def write_results(results_dir: Path, section: str, values: dict[str, Any], seed: int) -> dict[str, Any]:
     """Merge ``section`` into ``results.json`` with the run's metadata; re-plot."""
     import torch
@@ -295,7 +308,7 @@ def main() -> None:
         if headline:
             update_headline("matformer", memory_headline(memory))
     if args.step in ("finetune", "all"):
-        finetune = run_finetune(work, model_dir(work, 0), args)
+        finetune = merge_finetune(args.results_dir, run_finetune(work, model_dir(work, 0), args))
         write_results(args.results_dir, "finetune", finetune, args.seed)
     if args.step in ("table", "all"):
         path = args.results_dir / "results.json"

@@ -124,10 +124,6 @@ def run_finetune(work: Path, model: Path, args: argparse.Namespace) -> dict[str,
                    testbed[method]["per_rank"][0]["median_wire_rx_per_step"] or 0)  # fmt: skip
         testbed[method]["link_s_per_step"] = wire * 8 / bits_per_second
         print(json.dumps({"testbed": method, **testbed[method]}), flush=True)
-    out = folder / "compute-only"
-    single = _worker_args(model, out, args.lrs[0], 3, 1, args.seed) + ["--strategy", "single"]
-    _launch(single, out.with_suffix(".log"), 3600)
-    compute = _ranks(out, 1)[0]
     results: dict[str, Any] = {
         "bandwidth": args.bandwidth,
         "bits_per_second": bits_per_second,
@@ -137,9 +133,13 @@ def run_finetune(work: Path, model: Path, args: argparse.Namespace) -> dict[str,
         "best_lr": best_lr,
         "search": search,
         "testbed": testbed,
-        "compute_only_step_s": compute["median_step_s"],
     }
-    if "ddp" in testbed:
+    if "ddp" in testbed:  # R: the stock baseline's link time / its compute time (one process, no communication)
+        out = folder / "compute-only"
+        single = _worker_args(model, out, args.lrs[0], 3, 1, args.seed) + ["--strategy", "single"]
+        _launch(single, out.with_suffix(".log"), 3600)
+        compute = _ranks(out, 1)[0]
+        results["compute_only_step_s"] = compute["median_step_s"]
         results["R"] = testbed["ddp"]["link_s_per_step"] / compute["median_step_s"]
         print(f"R (DDP link time / compute time per step at {args.bandwidth}) = {results['R']:.2f}", flush=True)
     return results
