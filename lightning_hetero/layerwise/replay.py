@@ -74,11 +74,18 @@ class ReplayBuffer:
         return self._entries[-1].step if self._entries else None
 
     def push(self, step: int, activations: Tensor) -> None:
-        """Add the activations produced at ``step`` (steps must increase); drops the oldest entry when full."""
-        if self._entries and step <= self._entries[-1].step:
-            raise ValueError(
-                f"ReplayBuffer.push(step={step}): steps must increase (last was {self._entries[-1].step})."
-            )
+        """Add the activations of the batch read at ``step``; drops the oldest entry when full.
+
+        Steps never decrease. An equal step replaces the newest entry: a predecessor that replayed a batch sent newer
+        activations of that same batch (computed with its later weights).
+        """
+        last = self._entries[-1].step if self._entries else None
+        if last is not None and step < last:
+            raise ValueError(f"ReplayBuffer.push(step={step}): steps must not decrease (last was {last}).")
+        if last is not None and step == last:
+            self._entries[-1] = ReplayEntry(step, activations)
+            self.pushed += 1
+            return
         self._entries.append(ReplayEntry(step, activations))
         self.pushed += 1
         while len(self._entries) > self.capacity:

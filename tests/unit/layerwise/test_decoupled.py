@@ -38,8 +38,10 @@ def test_replay_buffer_keeps_at_most_capacity_and_bounds_staleness() -> None:
     assert buffer.newest_usable(5).step == 4 and buffer.replays == 1  # reused: a replay
     assert buffer.newest_usable(7) is None  # 7 - 4 >= capacity: too stale
     assert buffer.newest_usable(3).step == 3  # never an entry produced after the step asking
-    with pytest.raises(ValueError, match="steps must increase"):
-        buffer.push(4, torch.zeros(1))
+    buffer.push(4, torch.zeros(1))  # the same batch again (a replaying predecessor): replaces the newest entry
+    assert buffer.steps == [2, 3, 4] and float(buffer.newest_usable(4).activations) == 0.0
+    with pytest.raises(ValueError, match="must not decrease"):
+        buffer.push(3, torch.zeros(1))
 
 
 @pytest.mark.parametrize("capacity", [0, -1, 1.5, True])
