@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
-from lightning_hetero.core.checkpoint_dir import load_part
+from lightning_hetero.core.checkpoint_dir import load_part, write_part
 from lightning_hetero.flexdemo.reshard import SavedLayout, TargetLayout, load_resharded_part
 from lightning_hetero.flexdemo.topology import Topology
 
@@ -39,11 +39,13 @@ __all__ = [
     "local_module_state",
     "rank_file",
     "read_meta",
+    "write_meta",
 ]
 
 FORMAT = "flexdemo-sharded"
 VERSION = 1
-META_FILE = "meta.pt"
+META_PART = "meta"
+META_FILE = f"{META_PART}.pt"
 
 
 def rank_file(path: str | Path, rank: int) -> Path:
@@ -68,6 +70,11 @@ def make_meta(module: nn.Module, topology: Topology) -> dict[str, Any]:
     }
 
 
+def write_meta(path: str | Path, module: nn.Module, topology: Topology) -> None:
+    """Write ``meta.pt`` (rank 0) like a part: atomically, with its SHA-256 next to it."""
+    write_part(path, META_PART, make_meta(module, topology))
+
+
 def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any]:
     """Read and check ``meta.pt`` (any saved layout is accepted: another one is re-cut on load).
 
@@ -78,7 +85,7 @@ def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{owner}: {path} is not a FlexDeMo sharded checkpoint (no {META_FILE}).")
-    meta = torch.load(meta_path, weights_only=True)
+    meta = load_part(path, META_PART)  # weights_only, checked against its checksum when it has one
     if meta.get("format") != FORMAT:
         raise ValueError(f"{owner}: {meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}.")
     world_size, shard_size = int(meta["world_size"]), int(meta["shard_size"])

@@ -305,7 +305,7 @@ class FlexDeMoRuntime(StrategyRuntime):
 
     def write_checkpoint_meta(self, directory: Path) -> None:
         if self.module is not None:
-            torch.save(ckpt.make_meta(self.module, self.topology), directory / ckpt.META_FILE)
+            ckpt.write_meta(directory, self.module, self.topology)
 
     def check_checkpoint_meta(self, directory: Path) -> None:
         ckpt.read_meta(directory, self.topology, self.owner)

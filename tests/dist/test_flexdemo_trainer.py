@@ -239,6 +239,7 @@ def test_trainer_resume_is_bit_identical(runs):
     assert runs[0]["checkpoint_files"] == sorted(
         [
             META_FILE,
+            META_FILE + ".sha256",
             *(name for r in range(WORLD) for name in (rank_file(".", r).name, rank_file(".", r).name + ".sha256")),
         ]
     )

@@ -112,7 +112,7 @@ def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
     assert metrics["val/loss"] < straight.losses[0]
 
     assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
-        [META_FILE, rank_file(checkpoint, 0).name, rank_file(checkpoint, 0).name + ".sha256"]
+        [META_FILE, META_FILE + ".sha256", rank_file(checkpoint, 0).name, rank_file(checkpoint, 0).name + ".sha256"]
     )
     saved = torch.load(rank_file(checkpoint, 0), weights_only=False)
     assert "replicator" in saved["optimizer_states"][0]  # the replicator's state travels with the optimizer
@@ -125,14 +125,21 @@ def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
         assert torch.equal(value, resumed.final["params"][name]), name
 
 
-def test_loading_into_another_layout_is_refused(tmp_path):
-    from lightning_hetero.flexdemo.checkpoint import make_meta, read_meta
+def test_meta_of_another_layout_is_read_and_a_damaged_one_refused(tmp_path):
+    from lightning_hetero.core import CorruptCheckpointError
+    from lightning_hetero.flexdemo.checkpoint import make_meta, read_meta, write_meta
     from lightning_hetero.flexdemo.topology import Topology
 
     checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    torch.save(make_meta(torch.nn.Linear(2, 2), Topology(world_size=4, rank=0, shard_size=2)), checkpoint / META_FILE)
-    with pytest.raises(ValueError, match=r"saved by 4 ranks with shard_size=2, but this run has 2 ranks"):
-        read_meta(checkpoint, Topology(world_size=2, rank=0, shard_size=2), "FlexDeMoStrategy")
+    write_meta(checkpoint, torch.nn.Linear(2, 2), Topology(world_size=4, rank=0, shard_size=2))
+    here = Topology(world_size=2, rank=0, shard_size=2)  # another layout: re-cut on load (flexdemo/reshard.py)
+    assert read_meta(checkpoint, here, "FlexDeMoStrategy")["world_size"] == 4
+    (checkpoint / META_FILE).write_bytes((checkpoint / META_FILE).read_bytes()[:-4])
+    with pytest.raises(CorruptCheckpointError, match="meta.pt"):
+        read_meta(checkpoint, here, "FlexDeMoStrategy")
+    torch.save({**make_meta(torch.nn.Linear(2, 2), here), "world_size": 3}, checkpoint / META_FILE)
+    (checkpoint / (META_FILE + ".sha256")).unlink()  # written before checksums: loads unchecked
+    with pytest.raises(ValueError, match="world_size=3, shard_size=2: damaged"):
+        read_meta(checkpoint, here, "FlexDeMoStrategy")
     with pytest.raises(ValueError, match="is not a FlexDeMo sharded checkpoint"):
         read_meta(tmp_path, Topology(world_size=1, rank=0, shard_size=1), "FlexDeMoStrategy")
