@@ -176,6 +176,10 @@ class _Resharder:
 
     def optimizer_part(self, values: Sequence[Mapping[str, Any]], where: str) -> dict[str, Any]:
         head = values[0]
+        if not self.params:
+            # No live optimizer (validate/test, or a model-only load): nothing will load this state, and nothing
+            # tells which parameter each entry belongs to; saved rank 0's is passed through unchanged.
+            return dict(head)
         out = {key: self.visit([value[key] for value in values], f"{where}.{key}") for key in head if key != "state"}
         state = {}
         for index, entry in head["state"].items():

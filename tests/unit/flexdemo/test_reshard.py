@@ -144,3 +144,12 @@ def test_trainer_checkpoint_layout_is_re_cut_too(tmp_path):
     mean = ((saved["error0.bias"].double() + saved["error1.bias"].double()) / 2).float()
     assert torch.equal(part["optimizer_states"][0]["state"][1]["error"], mean)
     assert torch.equal(part["optimizer_states"][0]["state"][1]["exp_avg"], saved["moment.bias"])
+
+
+def test_without_a_live_optimizer_the_model_is_re_cut_and_the_optimizer_state_passed_through(tmp_path):
+    saved = _write_saved_run(tmp_path)
+    shapes = {"weight": [5, 3], "bias": [5]}
+    names = [f"rank_{rank:05d}" for rank in range(SAVED.world_size)]
+    part = load_resharded_part(tmp_path, names, SAVED, TargetLayout(1, 0, 1, 0), shapes, nn.Linear(3, 5), [])
+    assert torch.equal(part["model"]["weight"], saved["full.weight"])
+    assert part["optimizer"]["state"][0]["error"].shape == (3, 3)  # saved rank 0's shard, untouched (validate/test)
