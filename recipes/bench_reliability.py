@@ -75,6 +75,10 @@ def run_job(
     worker = [str(WORKER), "--strategy", strategy, "--max-steps", str(max_steps), "--every", str(every)]
     worker += ["--out", str(out), "--timeout", str(timeout)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # The agents' restart counts differ after one node's failure (each agent counts its own), and workers sharing
+    # the rendezvous store key their process group by that count: the restarted group then reads the dead round's
+    # addresses (gloo "connectFullMesh ... Connection refused"). pytorch/pytorch#135712; a store of their own avoids it.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.pop("LIGHTNING_HETERO_FAULT", None)
     if fault:
         env["LIGHTNING_HETERO_FAULT"] = fault
@@ -243,13 +247,17 @@ def _load(path: Path) -> Any:
 
 
 def record(entry: dict[str, Any]) -> None:
-    """Replace this scenario x strategy's entry in the raw results file."""
-    stored = _load(FAULTS_FILE) or {"runs": []}
-    key = (entry["scenario"], entry["strategy"])
-    stored["runs"] = [r for r in stored["runs"] if (r["scenario"], r["strategy"]) != key] + [entry]
-    stored["command"] = "python recipes/bench_reliability.py " + " ".join(sys.argv[1:])
+    """Replace this scenario x strategy's entry in the raw results file (locked: several benches may run at once)."""
+    import fcntl
+
     FAULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    FAULTS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
+    with open(FAULTS_FILE.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stored = _load(FAULTS_FILE) or {"runs": []}
+        key = (entry["scenario"], entry["strategy"])
+        stored["runs"] = [r for r in stored["runs"] if (r["scenario"], r["strategy"]) != key] + [entry]
+        entry["command"] = "python recipes/bench_reliability.py " + " ".join(sys.argv[1:])
+        FAULTS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
 
 
 def _sibling_count(data: Any, key: str) -> int:
@@ -346,6 +354,7 @@ def main() -> None:
     parser.add_argument("--launcher", choices=["local", "testbed"], default="local")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="run folders (default: a fresh temporary folder)")
+    parser.add_argument("--reuse-reference", action="store_true", help="keep a finished reference run in --work")
     parser.add_argument("--quick", action="store_true", help="kill + 2 shutdown fits, flexdemo only")
     parser.add_argument("--aggregate-only", action="store_true")
     args = parser.parse_args()
@@ -369,16 +378,19 @@ def main() -> None:
         if not faults:
             continue
         reference = work / f"reference-{strategy}"
-        job = run_job(
-            strategy,
-            reference,
-            nodes=args.nodes,
-            ranks_per_node=args.ranks_per_node,
-            max_steps=args.max_steps,
-            every=args.every,
-            timeout=args.timeout,
-            launcher=args.launcher,
-        )
+        if args.reuse_reference and (reference / "final_rank0.pt").is_file():
+            job = {"exit_code": 0, "seconds": None}
+        else:
+            job = run_job(
+                strategy,
+                reference,
+                nodes=args.nodes,
+                ranks_per_node=args.ranks_per_node,
+                max_steps=args.max_steps,
+                every=args.every,
+                timeout=args.timeout,
+                launcher=args.launcher,
+            )
         print(f"reference {strategy}: exit {job['exit_code']} ({job['seconds']} s)", flush=True)
         if job["exit_code"]:
             print(job["log_tail"])
