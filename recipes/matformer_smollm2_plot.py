@@ -51,10 +51,12 @@ def _finetune(axis: Any, finetune: dict[str, Any]) -> None:
     xs = range(len(names))
     axis.bar([x - 0.2 for x in xs], before, 0.4, label="val loss before")
     axis.bar([x + 0.2 for x in xs], after, 0.4, label="val loss after (tier 0)")
+    low, high = min(before + after), max(before + after)
+    axis.set_ylim(low - 0.3, high + 0.3)  # the differences are tenths of a nat: do not start at 0
     for x, name in zip(xs, names, strict=True):
         mb = (runs[name]["per_rank"][0]["median_wire_tx_per_step"] or 0) / 1e6
-        axis.annotate(f"{runs[name]['wall_s']:.0f} s\n{mb:.0f} MB/step", (x, after[x]), ha="center", va="bottom",
-                      fontsize=8)  # fmt: skip
+        label = f"{runs[name]['wall_s']:.0f} s wall, {mb:.0f} MB/step"
+        axis.annotate(label, (x, high + 0.15), ha="center", va="bottom", fontsize=8)
     axis.set_xticks(list(xs), names, fontsize=8)
     axis.set_ylabel("validation loss")
     axis.set_title(f"fine-tune over 2 testbed nodes at {finetune['bandwidth']}")
