@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -350,6 +351,12 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
     return cases
 
 
+def _message(error: BaseException) -> str:
+    """The error's class and message, without the random temporary folder names (so reruns give the same file)."""
+    text = re.sub(re.escape(tempfile.gettempdir()) + r"/tmp\w+", "<tmpdir>", str(error))
+    return f"{type(error).__name__}: {text[:200]}"
+
+
 def run(random_cases: int) -> dict[str, Any]:
     """Every case's outcome and the totals."""
     records = []
@@ -359,9 +366,9 @@ def run(random_cases: int) -> dict[str, Any]:
             result = call()
             record["outcome"] = "accepted_valid" if is_valid(result) else "accepted_invalid"
         except REFUSALS as error:
-            record["outcome"], record["error"] = "rejected", f"{type(error).__name__}: {str(error)[:200]}"
+            record["outcome"], record["error"] = "rejected", _message(error)
         except Exception as error:  # noqa: BLE001 - a crash is what the catalogue looks for
-            record["outcome"], record["error"] = "crashed", f"{type(error).__name__}: {str(error)[:200]}"
+            record["outcome"], record["error"] = "crashed", _message(error)
         records.append(record)
     outcomes = [r["outcome"] for r in records]
     return {
