@@ -85,3 +85,23 @@ def test_torchrun_job_survives_a_stopped_peer(tmp_path):
     (error,) = (tmp_path / "hang").glob("error_rank0_attempt0.json")
     assert "timed out" in error.read_text().lower()
     assert bench.same_parameters(tmp_path / "hang", tmp_path / "reference", 2) is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("strategy", ["flexdemo", "matformer", "subspace", "sparseflip"])
+def test_short_fits_exit_cleanly(tmp_path, strategy):
+    """Two 2-rank fits in a row; torchrun's exit code is non-zero if a worker aborts at teardown (SIGABRT)."""
+    bench = _bench()
+    for repeat in range(2):
+        job = bench.run_job(
+            strategy,
+            tmp_path / str(repeat),
+            nodes=1,
+            ranks_per_node=2,
+            max_steps=2,
+            every=0,
+            timeout=120.0,
+            max_restarts=0,
+        )
+        assert job["exit_code"] == 0, job["log_tail"]
