@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -313,17 +314,16 @@ def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: boo
     return row
 
 
-def matched_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+def matched_part(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """One row per ``--matched`` model, as each finishes."""
     from lightning_hetero.testing import run_distributed
 
-    rows = []
     for name in args.matched:
         steps = 10 if args.quick else MATCHED_STEPS[name]
         results = run_distributed(matched_worker, 2, name, steps, args.quick, timeout=args.timeout * 3)
         row = next(r for r in results if "model" in r)
         print(json.dumps(row), file=sys.stderr, flush=True)
-        rows.append(row)
-    return rows
+        yield row
 
 
 def _update_results(path: Path, entries: dict[str, Any]) -> dict[str, Any]:
@@ -389,9 +389,13 @@ def main() -> None:
         dgl = {**previous, **meta}
         if "digits" not in args.skip:
             dgl.update(dgl_part(args))
+            _update_results(results_path, {"dgl": dgl})
         if "matched" not in args.skip:
-            dgl["matched"] = matched_part(args)
-        results = _update_results(results_path, {"dgl": dgl})
+            rows = {row["model"]: row for row in dgl.get("matched", [])}  # other models' rows stay
+            for row in matched_part(args):
+                rows[row["model"]] = {**row, "command": meta["command"], "git_revision": meta["git_revision"]}
+                dgl["matched"] = list(rows.values())
+                _update_results(results_path, {"dgl": dgl})  # after every model: a long run keeps what it did
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     print(json.dumps({key: results[key] for key in ("pipeline", "dgl") if key in results}, indent=1))
 
