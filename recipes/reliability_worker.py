@@ -135,7 +135,8 @@ def build_strategy(name: str, timeout: float) -> Any:
     if name == "subspace":
         from lightning_hetero import SubspacePipelineStrategy
 
-        return SubspacePipelineStrategy(num_stages=2, rank=8, n_microbatches=2, **common)
+        replicas = max(1, int(os.environ.get("WORLD_SIZE", "2")) // 2)
+        return SubspacePipelineStrategy(num_stages=2, data_parallel_size=replicas, rank=8, n_microbatches=2, **common)
     from lightning_hetero import SparseFlipStrategy
 
     return SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, **common)
