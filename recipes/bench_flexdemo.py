@@ -213,7 +213,7 @@ def plot(results: dict[str, Any], directory: Path) -> None:
     figure, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), sharey=True, squeeze=False)
     for axis, bandwidth in zip(axes[0], bandwidths, strict=True):
         for variant, run in results["quality"].items():
-            measured = results["speed"].get(variant, {}).get(bandwidth)
+            measured = results["speed"].get(split_learning_rate(variant)[0], {}).get(bandwidth)
             if measured is None:
                 continue
             steps, losses = zip(*run["val_losses"], strict=True)
