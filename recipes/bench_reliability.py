@@ -372,7 +372,6 @@ def main() -> None:
         )
     work = args.work or Path(tempfile.mkdtemp(prefix="lh-reliability-"))
     print(f"run folders in {work}", flush=True)
-    world = args.nodes * args.ranks_per_node
     for strategy in args.strategies:
         faults = [s for s in args.scenarios if s != "shutdown"]
         if not faults:
@@ -408,7 +407,6 @@ def main() -> None:
         for strategy in args.shutdown_strategies:
             record(shutdown_runs(args, strategy, work))
     print(json.dumps(aggregate(), indent=1))
-    del world
 
 
 if __name__ == "__main__":
