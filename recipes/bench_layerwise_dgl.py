@@ -266,8 +266,15 @@ def dgl_part(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-MATCHED_STEPS = {"cnn": 1500, "vit": 800, "llama": 300}
-"""Steps of ``recipes/bench_layerwise.py``'s end-to-end runs (its models, data, batches, schedule and evaluation)."""
+MATCHED_MODELS = ("cnn", "vit", "llama")
+"""Models of ``recipes/bench_layerwise.py`` run with DGL; its ``STEPS``, ``LRS`` and ``AUX`` are read from it."""
+
+
+def _bench_layerwise() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_layerwise
+
+    return bench_layerwise
 
 
 def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: bool) -> dict[str, Any]:
@@ -278,13 +285,10 @@ def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: boo
 
     from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_layerwise as l1
-
+    l1 = _bench_layerwise()
     torch.set_num_threads(1)
     train, evaluation, vocab = l1.text_data(quick) if name == "llama" else l1.image_data(quick)
-    lr = {"cnn": 3e-3, "vit": 2e-3, "llama": 3e-3}[name]
-    aux = "lm_head" if name == "llama" else "linear"
+    lr, aux = l1.LRS[name], l1.AUX[name]
     holder = nn.Module()
     holder.model = l1.make_model(name, vocab)
     runtime = DecoupledRuntime(world_size, aux_head=aux)
@@ -319,7 +323,7 @@ def matched_part(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from lightning_hetero.testing import run_distributed
 
     for name in args.matched:
-        steps = 10 if args.quick else MATCHED_STEPS[name]
+        steps = (_bench_layerwise().QUICK_STEPS if args.quick else _bench_layerwise().STEPS)[name]
         results = run_distributed(matched_worker, 2, name, steps, args.quick, timeout=args.timeout * 3)
         row = next(r for r in results if "model" in r)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -358,7 +362,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15, help="digits CNN epochs")
     parser.add_argument("--train-limit", type=int, default=100_000, help="digits training samples used")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    parser.add_argument("--matched", nargs="*", default=["cnn", "llama", "vit"], choices=sorted(MATCHED_STEPS),
+    parser.add_argument("--matched", nargs="*", default=["cnn", "llama", "vit"], choices=MATCHED_MODELS,
                         help="DGL on recipes/bench_layerwise.py's models, data and steps")  # fmt: skip
     parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "digits", "matched"])
     parser.add_argument("--out-dir", type=Path, default=None)
