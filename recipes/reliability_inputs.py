@@ -34,6 +34,7 @@ from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.core import load_part, part_file
 from lightning_hetero.core.state import decode_json_payload
 from lightning_hetero.flexdemo.replicators import build_replicator
+from lightning_hetero.lowbit.packing import load_packed
 from lightning_hetero.lowbit.sparse import decode_lists
 from lightning_hetero.lowbit.wire import decode_flips, decode_sparse, encode_flips, encode_sparse
 from lightning_hetero.matformer.aggregate import _check_reduced
@@ -152,6 +153,21 @@ def _malicious_checkpoint() -> dict[str, Any]:
         finally:
             if marker.exists():
                 raise RuntimeError("the malicious pickle ran: load_part executed code from the checkpoint")
+
+
+def _packed_file(byte: int | None, shape: list[int]) -> dict[str, torch.Tensor]:
+    """A packed low-bit file of one layer (4 ternary codes in one byte), forged: ``byte`` and the recorded shape."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "packed.safetensors"
+        if byte is None:
+            path.write_bytes(b"\x80" * 64)  # a header length far beyond the file
+        else:
+            tensors = {"fc.codes.packed": _bytes([byte]), "fc.scale": torch.ones(1)}
+            info = json.dumps({"kind": "ternary", "shape": shape, "format": "2bit"})
+            save_file(tensors, str(path), metadata={"fc.codes.packed": info})
+        return load_packed(path)
 
 
 def _ledger_dump(content: str) -> list[dict[str, Any]]:
@@ -307,6 +323,9 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
             _valid,
         ),
         ("core checkpoint part (torch.load weights_only=True)", "malicious pickle", _malicious_checkpoint, _valid),
+        ("lowbit load_packed (safetensors)", "invalid 2-bit code", lambda: _packed_file(0xFF, [4]), _valid),
+        ("lowbit load_packed (safetensors)", "shape not matching the bytes", lambda: _packed_file(0x00, [9]), _valid),
+        ("lowbit load_packed (safetensors)", "not a safetensors file", lambda: _packed_file(None, [4]), _valid),
         ("testbed ledger dumps", "truncated JSON (killed rank)", lambda: _ledger_dump('{"rank": 0, "pi'), _valid),
         ("testbed ledger dumps", "wrong field types", lambda: _ledger_dump('{"rank": "0", "pid": []}'), _valid),
     ]

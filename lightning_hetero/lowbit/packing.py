@@ -238,14 +238,18 @@ def load_packed(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Load a :func:`save_packed` file as a state dict for flip-mode layers (``name.codes`` int8 + ``name.scale``).
 
     Raises:
-        ValueError: A packed tensor without valid metadata, or packed bytes that do not decode exactly.
+        ValueError: Not a safetensors file, a packed tensor without valid metadata, or packed bytes that do not
+            decode exactly.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    with safe_open(os.fspath(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    tensors = load_file(os.fspath(path))
+    try:
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(os.fspath(path))
+    except SafetensorError as error:  # a truncated or foreign file: say which, as a ValueError like the rest
+        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file ({error}).") from None
     out: dict[str, torch.Tensor] = {}
     unpackers = {"1bit": unpack_binary, "2bit": unpack_ternary_2bit, "base3": unpack_ternary_base3}
     for key, tensor in tensors.items():

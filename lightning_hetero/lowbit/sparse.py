@@ -336,7 +336,7 @@ class SparseFlipExchange:
             if message.numel() > HEADER_BYTES:
                 comm.send(message[HEADER_BYTES:].clone(), server, **kwargs)
         else:
-            messages = []
+            messages, unsized = [], None
             for src in range(n):
                 if src == rank:
                     messages.append(message)
@@ -345,12 +345,16 @@ class SparseFlipExchange:
                 comm.recv(header, self._global(src), **kwargs)
                 try:
                     size = self._size_from_header(header, src)
-                except PeerPayloadError as error:  # the body that follows cannot be sized, so it cannot be skipped
-                    self._refuse_to_workers(error, server, kwargs)
+                except PeerPayloadError as error:  # its body cannot be sized, so it cannot be skipped: refuse the
+                    unsized = unsized or error  # step, after hearing the other workers (so none of them blocks)
+                    messages.append(header)
+                    continue
                 body = torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
                 if body.numel():
                     comm.recv(body, self._global(src), **kwargs)
                 messages.append(torch.cat((header, body)))
+            if unsized is not None:
+                self._refuse_to_workers(unsized, server, kwargs)
             self.last_message_nbytes = [m.numel() for m in messages]
             try:
                 lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)

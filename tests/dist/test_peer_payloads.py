@@ -139,3 +139,26 @@ def test_a_hostile_rank_is_refused_on_every_rank_or_dropped_identically():
     assert honest["server_drop"] == hostile["server_drop"] == honest["honest_alone"]
     assert honest["fp_average"] == hostile["fp_average"] == honest["honest_average"]
     assert honest["flexdemo_drop"] == hostile["flexdemo_drop"] == honest["flexdemo_rank0_alone"]
+
+
+def _oversized_header(indices: torch.Tensor, values: torch.Tensor, numel: int, encoding: str = "bf16") -> torch.Tensor:
+    """A hostile header alone: it announces 2**32 - 2 entries (its body could never be sized)."""
+    return torch.tensor([0xFE, 0xFF, 0xFF, 0xFF], dtype=torch.uint8)
+
+
+def _unsized_worker(rank: int, world: int) -> dict[str, Any]:
+    codes = torch.zeros(NUMEL, dtype=torch.int8)
+    if rank == HOSTILE:
+        sparse_module.encode_sparse = _oversized_header
+    exchange = SparseFlipExchange(NUMEL, 8, density=0.25, encoding="fp32", on_bad_payload="drop")
+    refused = _caught(lambda: exchange.step(_grad(rank), codes))
+    sparse_module.encode_sparse = encode_sparse
+    after = SparseFlipExchange(NUMEL, 8, density=0.25, encoding="fp32").step(_grad(rank), codes)  # still in step
+    return {"refused": refused, "after": [t.tolist() for t in after]}
+
+
+def test_an_unsizable_header_in_server_mode_stops_every_rank_and_no_honest_worker_hangs():
+    results = run_distributed(_unsized_worker, 3, timeout=200)
+    assert "header from rank 1: count 4294967294 exceeds numel" in results[0]["refused"]  # even under "drop"
+    assert all("the flip server (rank 0) refused" in out["refused"] for out in results[1:])
+    assert results[0]["after"] == results[1]["after"] == results[2]["after"]

@@ -108,3 +108,12 @@ def test_a_bad_policy_is_refused_at_construction(build):
     }[build]
     with pytest.raises(ValueError, match="on_bad_payload='skip'.*'raise'.*'drop'"):
         build(**arguments, on_bad_payload="skip")
+
+
+def test_a_file_that_is_not_safetensors_is_refused_naming_it(tmp_path):
+    from lightning_hetero.lowbit.packing import load_packed
+
+    path = tmp_path / "packed.safetensors"
+    path.write_bytes(b"\x80" * 64)
+    with pytest.raises(ValueError, match="packed.safetensors is not a readable safetensors file"):
+        load_packed(path)
