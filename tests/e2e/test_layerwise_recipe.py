@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a 4-process run; on a busy shared machine it can take minutes
 def test_quick_recipe_writes_every_section(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"dgl": {"kept": True}}))  # another recipe's section
     command = [sys.executable, str(REPO / "recipes" / "bench_layerwise.py"), "--quick", "--out", str(tmp_path)]
