@@ -15,7 +15,7 @@ recipes can add theirs (``"dgl"``, ``"pipeline"``) next to them:
 
 Every run uses one CPU thread (timings on a shared machine are upper bounds).
 
-    python recipes/bench_layerwise.py            # the full run: 4 processes, about 20 minutes on 2 busy CPU cores
+    python recipes/bench_layerwise.py            # the full run: 4 processes, 43 minutes on 2 overloaded CPU cores
     python recipes/bench_layerwise.py --quick    # smoke run (a few steps; figures not meaningful)
 """
 
