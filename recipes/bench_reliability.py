@@ -251,7 +251,7 @@ def record(entry: dict[str, Any]) -> None:
     import fcntl
 
     FAULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    with open(FAULTS_FILE.with_suffix(".lock"), "w") as lock:
+    with open(Path(tempfile.gettempdir()) / "lightning_hetero_reliability_faults.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stored = _load(FAULTS_FILE) or {"runs": []}
         key = (entry["scenario"], entry["strategy"])
