@@ -157,7 +157,13 @@ def pipeline_part(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     for bandwidth in [UNTHROTTLED, *args.bandwidths]:
         variants = ["plain"] if bandwidth == UNTHROTTLED else args.variants
         for variant in variants:
-            if variant in DGL_VARIANTS:
+            if args.assemble:  # the per-run summaries the workers wrote in an earlier (interrupted) run
+                written = out_dir / f"{variant}-{bandwidth}.json"
+                if not written.is_file():
+                    continue
+                run = {**json.loads(written.read_text()), "bandwidth": bandwidth}
+                run.pop("train_losses", None)
+            elif variant in DGL_VARIANTS:
                 run = run_dgl_under_testbed(variant, bandwidth, args, out_dir)
             else:
                 run = bench_subspace.run_under_testbed(variant, bandwidth, sub_args, out_dir)
@@ -364,6 +370,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--matched", nargs="*", default=["cnn", "llama", "vit"], choices=MATCHED_MODELS,
                         help="DGL on recipes/bench_layerwise.py's models, data and steps")  # fmt: skip
+    parser.add_argument("--assemble", action="store_true",
+                        help="no new runs: 'pipeline' from the per-run JSON files in --out-dir")  # fmt: skip
     parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "digits", "matched"])
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--results", type=Path, default=None, help=f"results JSON (default {RESULTS})")
