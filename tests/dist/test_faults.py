@@ -56,6 +56,7 @@ def _bench() -> ModuleType:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
     ("scenario", "fault"), [("kill", "kill:rank=1:step=5"), ("save-kill", "save-kill:rank=1:step=8")]
@@ -74,6 +75,7 @@ def test_torchrun_job_survives_and_resumes_bit_identically(tmp_path, scenario, f
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(3600)
 def test_torchrun_job_survives_a_stopped_peer(tmp_path):
     bench = _bench()
@@ -88,6 +90,7 @@ def test_torchrun_job_survives_a_stopped_peer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("strategy", ["flexdemo", "matformer", "subspace", "sparseflip"])
 def test_short_fits_exit_cleanly(tmp_path, strategy):

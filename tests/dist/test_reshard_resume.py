@@ -48,7 +48,7 @@ CONFIG = {
 }
 # 4 spawns (4 + 2 + 3 ranks, three strategies each): 7 minutes on the shared 2-core machine, so the whole module is
 # slow; tests/unit/flexdemo/test_reshard.py covers the re-cut in the default suite.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SUBSPACE_LAYERS = 4  # enough decoder layers for 3 stages (the 3 x 1 case asks for them)
 SAVED = (2, 2)  # nodes x ranks per node of the saving run

@@ -8,8 +8,8 @@ from transformers import GPT2Config, LlamaConfig, T5Config, ViTConfig
 from lightning_hetero.models import PRESETS, build_config
 from lightning_hetero.models.presets import count_parameters
 
-# Advertised ranges (docs/models.md): tiny ~1M, small ~10-20M parameters.
-PARAMETER_RANGES = {"tiny": (0.5e6, 2e6), "small": (8e6, 25e6)}
+# Advertised ranges (docs/models.md): tiny ~1M, small ~10-20M, medium ~30M parameters.
+PARAMETER_RANGES = {"tiny": (0.5e6, 2e6), "small": (8e6, 25e6), "medium": (25e6, 40e6)}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
