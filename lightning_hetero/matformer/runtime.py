@@ -55,6 +55,11 @@ from lightning_hetero.matformer.types import FFNParameter
 __all__ = ["MatFormerRuntime", "TierEntry"]
 
 
+def _step_zero() -> int:
+    """The step counter before ``setup`` gives the real one."""
+    return 0
+
+
 class MatFormerRuntime(StrategyRuntime):
     """The loop-independent part of tiered MatFormer training, shared by the Trainer and Fabric strategies.
 
@@ -139,7 +144,7 @@ class MatFormerRuntime(StrategyRuntime):
         self.local_widths: list[int] = []
         self.rank, self.world_size = 0, 1
         self.sliced = False
-        self.step_fn: Callable[[], int] = lambda: 0
+        self.step_fn: Callable[[], int] = _step_zero  # module-level: the runtime must pickle for spawn
         self._mask_handles: list[RemovableHandle] = []
         self._masks: dict[tuple[int, bool, int], Tensor] = {}
 
