@@ -74,7 +74,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every stage must iterate the same batches in the same order
     batches = _take(data.train_dataloader(), args.steps)
     ledger = comm.get_ledger()
-    step_seconds, step_bytes, losses = [], [], []
+    torch.manual_seed(1)
+    val_batches = _take(data.val_dataloader(), args.val_batches)
+    step_seconds, step_bytes, losses, val_curve = [], [], [], []
     for step, batch in enumerate(batches):
         ledger.set_step(step)
         dist.barrier()
@@ -86,9 +88,10 @@ def worker(args: argparse.Namespace) -> None:
         step_seconds.append(time.perf_counter() - start)
         step_bytes.append(ledger.step_totals(step).get(comm.PIPELINE, comm.LedgerTotals()).sent)
         losses.append(float(loss))
-    torch.manual_seed(1)
-    val_batches = _take(data.val_dataloader(), args.val_batches)
+        if args.val_every and (step + 1) % args.val_every == 0 and step + 1 < len(batches):
+            val_curve.append([step + 1, statistics.fmean(float(runtime.eval_step(b, module)) for b in val_batches)])
     val_loss = statistics.fmean(float(runtime.eval_step(batch, module)) for batch in val_batches)
+    val_curve.append([len(batches), val_loss])
     sent = torch.tensor(step_bytes, dtype=torch.float64)
     comm.all_reduce(sent, "sum", label="metrics")  # every stage's pipeline bytes per step
     if rank != 0:
@@ -106,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
         "train_losses": losses,
         "tokens": tokens_per_step * len(batches),
         "val_loss": val_loss,
+        "val_losses": val_curve,
         "boundary_bytes_per_microbatch": runtime.stage.boundary_bytes(
             args.batch_size // args.microbatches, args.seq_len
         ),
@@ -147,7 +151,7 @@ def run_under_testbed(variant: str, bandwidth: str, args: argparse.Namespace, ou
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     # Loss does not depend on the link: throttled runs only need enough steps for a stable median step time.
     steps = args.steps if bandwidth == UNTHROTTLED or not args.speed_steps else args.speed_steps
-    command += ["--steps", str(steps)]
+    command += ["--steps", str(steps), "--val-every", str(args.val_every if steps == args.steps else 0)]
     command += ["--learning-rate", str(args.learning_rate)]
     start = time.perf_counter()
     completed = subprocess.run(command, cwd=out_dir, capture_output=True, text=True)
@@ -263,6 +267,39 @@ def plot(results: dict[str, Any], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def plot_loss_curves(results: dict[str, Any], path: Path) -> None:
+    """Validation loss vs tokens (unthrottled runs) and vs wall-clock at the slowest bandwidth (its median step)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    quality = [run for run in runs if run["bandwidth"] == UNTHROTTLED and len(run.get("val_losses", [])) > 1]
+    if not quality:
+        return
+    throttled = [run["bandwidth"] for run in runs if run["bandwidth"] != UNTHROTTLED]
+    slowest = throttled[-1] if throttled else UNTHROTTLED
+    speed = {run["variant"]: run["median_step_s"] for run in runs if run["bandwidth"] == slowest}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    tokens_per_step = int(results["config"]["batch_size"]) * int(results["config"]["seq_len"])
+    for run in quality:
+        steps, losses = zip(*run["val_losses"], strict=True)
+        left.plot([s * tokens_per_step for s in steps], losses, label=run["variant"], linewidth=1)
+        if run["variant"] in speed:
+            right.plot([s * speed[run["variant"]] for s in steps], losses, label=run["variant"], linewidth=1)
+    left.set_xlabel("tokens")
+    right.set_xlabel(f"wall-clock at {slowest} (s, median step x steps)")
+    right.set_xscale("log")
+    for axis in (left, right):
+        axis.set_ylabel("validation loss")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -282,6 +319,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps of the quality runs (0: end)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per testbed run")
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/bench_subspace"))
     args = parser.parse_args()
@@ -315,6 +353,7 @@ def main() -> None:
         write_headline(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir / "bytes_and_throughput.png")
+    plot_loss_curves(results, out_dir / "loss_curves.png")
     keys = ("variant", "bandwidth", "tokens_per_s", "pipeline_bytes_per_step", "val_loss", "bytes_reduction_vs_plain",
             "speedup_vs_plain", "val_loss_vs_plain")  # fmt: skip
     print(json.dumps({"config": results["config"], "runs": [{k: r.get(k) for k in keys} for r in results["runs"]]}))
