@@ -15,7 +15,9 @@ loss, and sends its detached output to the next stage; nothing travels backwards
   broadcast from the last stage) on every rank.
 - checkpoints: a folder with ``stage_<s>.pt`` per stage plus ``meta.json``, restored after setup.
 
-The module's own ``training_step``/``validation_step`` are not called. Manual optimization is not supported.
+The module's own ``training_step``/``validation_step`` are not called. Manual optimization is not supported. The
+shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_grad``, metric reduction) is
+:class:`~lightning_hetero.strategies.pipeline_common.PipelineTrainerStrategy`.
 """
 
 from __future__ import annotations
@@ -24,24 +26,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero import comm
 from lightning_hetero.core import runtime_arguments
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+from lightning_hetero.strategies.pipeline_common import METRICS_LABEL, PipelineTrainerStrategy
 
-__all__ = ["LayerwiseStrategy"]
-
-METRICS_LABEL = "metrics"
+__all__ = ["METRICS_LABEL", "LayerwiseStrategy"]
 
 
-class LayerwiseStrategy(TrainerStrategyBase):
+class LayerwiseStrategy(PipelineTrainerStrategy):
     """Decoupled greedy layerwise training: one block per stage, local losses, activations sent forward only.
 
     Args:
@@ -55,11 +50,18 @@ class LayerwiseStrategy(TrainerStrategyBase):
         replay_capacity: Replay buffer entries (asynchronous mode).
         max_in_flight: Outstanding sends before a stage waits for the link.
         activation_dtype: ``"fp32"``, ``"bf16"`` or ``"int8"`` activations on the wire.
+        on_bad_payload: What corrupt activations from the previous stage do (see ``docs/reliability.md``):
+            ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"``
+            (``mode="async"`` only): the message is left out (logged, counted) and the stage trains on the newest
+            usable activations in its replay buffer; with none usable it raises.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
     strategy_name = "layerwise"
+    fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
+    manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
+    predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."
 
     def __init__(
         self,
@@ -72,128 +74,38 @@ class LayerwiseStrategy(TrainerStrategyBase):
         replay_capacity: int = 4,
         max_in_flight: int = 2,
         activation_dtype: str = "fp32",
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
-        self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
 
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage (from ``setup`` on)."""
-        return self.runtime.stage_index
-
-    @property
-    def stage(self) -> nn.Module:
-        """This rank's stage container (from ``setup`` on)."""
-        return self.runtime.stage
-
-    # ------------------------------------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: L.Trainer) -> None:
+    def _check_trainer(self, trainer: L.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"LayerwiseStrategy does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: each "
                 "stage steps on every batch it trains on. Raise the batch size and set accumulate_grad_batches=1."
             )
-        if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
-            raise ValueError("LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'.")
+        self._refuse_fp16_mixed()
         if trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
-            raise ValueError("LayerwiseStrategy runs each stage's step itself; use automatic optimization.")
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.runtime.setup(self.model, self.root_device, self.global_rank)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            self._use_runtime_clipping()  # each stage clips by its own norm (no cross-stage collective)
+            raise ValueError(self.manual_backward_refusal)
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        return model  # no DDP wrapper: ranks hold different stages
+    def _train_batch(self, batch: Any, module: L.LightningModule) -> Tensor:
+        return self.runtime.train_step(batch)
 
     @override
-    def configure_ddp(self) -> None:
-        pass
+    def _before_evaluation(self) -> None:
+        self.runtime.flush()
 
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.runtime.sampler_kwargs(self.global_rank)
+    def _eval_batch(self, batch: Any, module: L.LightningModule) -> Tensor:
+        return self.runtime.eval_step(batch)
 
-    # ------------------------------------------------------------------------------------------------ training
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        batch = args[0] if args else kwargs.get("batch")
-        for param in module.parameters():
-            param.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self.runtime.train_step(batch)
-        # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
-        self._stashed_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for param, _ in self._stashed_grads:
-            param.grad = None
-        size = _batch_size(batch)
-        module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+    def _log_training(self, module: L.LightningModule, loss: Tensor, batch: Any) -> None:
+        super()._log_training(module, loss, batch)
+        size = self._batch_size(batch)
         module.log(f"train/stage{self.stage_index}_loss", loss, on_step=True, on_epoch=False, batch_size=size)
         if self.runtime.mode == "async":
             module.log("train/staleness", float(self.runtime.last_staleness), on_step=True, batch_size=size)
-        return loss
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        for param, grad in self._stashed_grads:
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self._stashed_grads = []
-        return closure_loss
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("val", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test", *args, **kwargs)
-
-    def _evaluate(self, stage: str, *args: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        assert module is not None
-        batch = args[0] if args else kwargs.get("batch")
-        self.runtime.flush()
-        context = self.precision_plugin.val_step_context if stage == "val" else self.precision_plugin.test_step_context
-        with context():
-            loss = self.runtime.eval_step(batch)
-        module.log(f"{stage}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True, batch_size=_batch_size(batch))
-        return loss
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Metric reduction over the world through the counted collectives (label ``"metrics"``)."""
-        if not isinstance(tensor, Tensor) or self.world_size == 1:
-            return tensor
-        name = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
-        op = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}.get(name)
-        if op is None:
-            raise ValueError(f"LayerwiseStrategy.reduce: unsupported reduce_op {reduce_op!r}.")
-        result = tensor.detach().clone()
-        if op == "avg" and not result.is_floating_point():
-            result = result.float()
-        comm.all_reduce(result, op, label=METRICS_LABEL, group=group)
-        return result
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("LayerwiseStrategy does not run predict; gather the stages and use a plain strategy.")
-
-
-def _batch_size(batch: Any) -> int:
-    for value in batch.values() if isinstance(batch, dict) else batch:
-        if isinstance(value, Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return 1

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.utilities.types import _PATH, Optimizable
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import runtime_arguments
-from lightning_hetero.strategies.lifecycle import FabricStrategyBase
+from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
 __all__ = ["SubspacePipelineStrategy"]
 
 
-class SubspacePipelineStrategy(FabricStrategyBase):
+class SubspacePipelineStrategy(PipelineFabricStrategy):
     """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
 
     Arguments as in the Trainer's :class:`lightning_hetero.SubspacePipelineStrategy` (``num_stages``, ``rank`` or
@@ -47,6 +46,14 @@ class SubspacePipelineStrategy(FabricStrategyBase):
     """
 
     strategy_name = "subspace_pipeline"
+    fp16_mixed_refusal = (
+        "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see the "
+        "pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
+    )
+    backward_refusal = (
+        "With SubspacePipelineStrategy, fabric.backward() is not used: strategy.train_step(batch) runs the "
+        "forward and backward of every microbatch through the pipeline and returns the loss."
+    )
 
     def __init__(
         self,
@@ -73,16 +80,6 @@ class SubspacePipelineStrategy(FabricStrategyBase):
         return self.runtime.steps
 
     # ------------------------------------------------------------------------------------------------ public
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage (after ``setup_module``)."""
-        return self.runtime.stage_index
-
-    @property
-    def stage(self) -> nn.Module:
-        """This rank's stage module (after ``setup_module``)."""
-        return self.runtime.stage
-
     def train_step(self, batch: Any) -> Tensor:
         """Forward and backward of every microbatch of ``batch``; returns the loss (the same on every rank).
 
@@ -105,42 +102,7 @@ class SubspacePipelineStrategy(FabricStrategyBase):
         self.barrier()
         return result
 
-    # ------------------------------------------------------------------------------------------------ setup
-    @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        if isinstance(self.precision, MixedPrecision) and getattr(self.precision, "scaler", None) is not None:
-            raise ValueError(
-                "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
-                "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
-            )
-        self._claim_module(module)
-        return self.runtime.setup(module, self.root_device, self.global_rank)
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        module = self.setup_module(module)
-        self._require_optimizers_follow(module, optimizers, "replaces the model by this rank's stage")
-        return module, optimizers, scheduler
-
-    @override
-    def module_to_device(self, module: nn.Module) -> None:
-        module.to(self.root_device)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.runtime.sampler_kwargs(self.global_rank)
-
     # ------------------------------------------------------------------------------------------------ training
-    @override
-    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            "With SubspacePipelineStrategy, fabric.backward() is not used: strategy.train_step(batch) runs the "
-            "forward and backward of every microbatch through the pipeline and returns the loss."
-        )
-
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)

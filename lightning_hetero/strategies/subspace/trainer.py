@@ -29,27 +29,20 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero import comm
 from lightning_hetero.core import runtime_arguments
-from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+from lightning_hetero.strategies.pipeline_common import METRICS_LABEL, PipelineTrainerStrategy
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
 __all__ = ["METRICS_LABEL", "SubspacePipelineStrategy"]
 
-METRICS_LABEL = "metrics"
-"""Ledger label of Lightning's metric reductions (``self.log(..., sync_dist=True)``) under this strategy."""
 
-
-class SubspacePipelineStrategy(TrainerStrategyBase):
+class SubspacePipelineStrategy(PipelineTrainerStrategy):
     """Pipeline-parallel training of an HF Llama-family model whose stage boundaries carry ``k`` numbers per token.
 
     Every layer whose output crosses a boundary writes only into a shared ``k``-dim subspace span(U), and a frozen
@@ -80,6 +73,18 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
     """
 
     strategy_name = "subspace_pipeline"
+    fp16_mixed_refusal = (
+        "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
+        "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
+    )
+    manual_backward_refusal = (
+        "With SubspacePipelineStrategy, manual_backward() is not used: strategy.train_step(batch) runs the "
+        "forward and backward of every microbatch; call optimizer.step() after it."
+    )
+    predict_refusal = (
+        "SubspacePipelineStrategy does not run predict: export the model (strategy.export_dense(path)) and "
+        "predict with a plain strategy."
+    )
 
     def __init__(
         self,
@@ -99,19 +104,8 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
-        self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------ public
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage (from ``setup`` on)."""
-        return self.runtime.stage_index
-
-    @property
-    def stage(self) -> nn.Module:
-        """This rank's stage module (from ``setup`` on)."""
-        return self.runtime.stage
-
     def train_step(self, batch: Any) -> Tensor:
         """Forward and backward of every microbatch (manual optimization); returns the loss, the same on every rank."""
         return self.runtime.train_step(batch, self.lightning_module)
@@ -128,23 +122,6 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: L.Trainer) -> None:
-        """Build this rank's stage in place of the HF model, then optimizers and precision (no DDP wrapper)."""
-        self._check_trainer(trainer)
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.runtime.setup(self.model, self.root_device, self.global_rank)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            # Stages hold disjoint parameters: clip every stage with the norm of the whole pipeline's gradient.
-            self._use_runtime_clipping()
-
     def _check_trainer(self, trainer: L.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -152,60 +129,22 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
                 "the pipeline already accumulates gradients over its microbatches. Raise n_microbatches and the "
                 "batch size instead, and set accumulate_grad_batches=1."
             )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if isinstance(self.precision_plugin, MixedPrecision) and scaler is not None:
-            raise ValueError(
-                "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
-                "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
-            )
+        self._refuse_fp16_mixed()
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        return model  # no DDP wrapper: ranks hold different stages
+    def _train_batch(self, batch: Any, module: L.LightningModule) -> Tensor:
+        return self.runtime.train_step(batch, module)
 
     @override
-    def configure_ddp(self) -> None:
-        pass
+    def _eval_batch(self, batch: Any, module: L.LightningModule) -> Tensor:
+        return self.runtime.eval_step(batch, module)
 
-    @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.runtime.sampler_kwargs(self.global_rank)
+    def _batch_size(self, batch: Any) -> int:
+        chunks = split_batch(batch, 1)
+        return int(chunks[0]["input_ids"].shape[0])
 
     # ------------------------------------------------------------------------------------------------ training
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        if not module.automatic_optimization:
-            return super().training_step(*args, **kwargs)
-        batch = args[0] if args else kwargs.get("batch")
-        # The schedule adds to .grad, and the previous step's gradients are still there (Lightning zeroes them only
-        # after training_step): start from none, as Lightning's zero_grad would before backward.
-        for param in module.parameters():
-            param.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self.runtime.train_step(batch, module)
-        # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
-        self._stashed_grads = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for param, _ in self._stashed_grads:
-            param.grad = None
-        module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=_batch_size(batch))
-        return loss
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise RuntimeError(
-                "With SubspacePipelineStrategy, manual_backward() is not used: strategy.train_step(batch) runs the "
-                "forward and backward of every microbatch; call optimizer.step() after it."
-            )
-        for param, grad in self._stashed_grads:
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self._stashed_grads = []
-        return closure_loss
-
     @override
     def optimizer_step(
         self,
@@ -218,49 +157,3 @@ class SubspacePipelineStrategy(TrainerStrategyBase):
         steps_done = self._global_step() + 1  # global_step counts after this hook
         self.runtime.after_optimizer_step(optimizer, steps_done)
         return output
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("val", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluate("test", *args, **kwargs)
-
-    def _evaluate(self, stage: str, *args: Any, **kwargs: Any) -> Tensor:
-        module = self.lightning_module
-        assert module is not None
-        batch = args[0] if args else kwargs.get("batch")
-        context = self.precision_plugin.val_step_context if stage == "val" else self.precision_plugin.test_step_context
-        with context():
-            loss = self.runtime.eval_step(batch, module)
-        # Every rank of a replica holds the same value; sync_dist averages over the replicas.
-        module.log(f"{stage}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True, batch_size=_batch_size(batch))
-        return loss
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Metric reduction over the world through the counted collectives (label ``"metrics"``)."""
-        if not isinstance(tensor, Tensor) or self.world_size == 1:
-            return tensor
-        name = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
-        op = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}.get(name)
-        if op is None:
-            raise ValueError(f"SubspacePipelineStrategy.reduce: unsupported reduce_op {reduce_op!r}.")
-        result = tensor.detach().clone()
-        if op == "avg" and not result.is_floating_point():
-            result = result.float()
-        comm.all_reduce(result, op, label=METRICS_LABEL, group=group)
-        return result
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "SubspacePipelineStrategy does not run predict: export the model (strategy.export_dense(path)) and "
-            "predict with a plain strategy."
-        )
-
-
-def _batch_size(batch: Any) -> int:
-    chunks = split_batch(batch, 1)
-    return int(chunks[0]["input_ids"].shape[0])
