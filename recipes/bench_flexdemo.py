@@ -14,13 +14,25 @@ Two phases, because the loss of a run does not depend on the link (runs are dete
 2. speed, at every throttled ``--bandwidths`` entry: ``--speed-steps`` steps, median step time and the node's wire
    bytes per step (eth0 counters: payload, TCP/IP headers and gloo framing); unthrottled, phase 1's own numbers.
 
+``--extra-bandwidths`` are measured afterwards for three variants only: the baseline, the default
+(``--default-variant``, else the first FlexDeMo variant) and the best (fastest to target at the first throttled
+``--bandwidths`` entry).
+
 Derived: the target loss is HSDP's final validation loss x ``(1 + --target-margin)``; a variant's time to target is
 (first validated step at or under the target) x (its median step time at that bandwidth), validation excluded.
+DiLoCo sends only every H steps, so its speed runs last 2 + H steps and its step time and bytes are the means over
+them (one whole period).
+
+Variant names (``--variants``) follow the grammar of ``recipes/flexdemo_variants.py``: ``ddp@3e-3``,
+``demo-1/32-sign@1e-3``, ``demo-1/16-sign-c128``, ``topk-1/32-bf16-noef``, ``diloco-h16-olr0.7``, ...; a bad name
+fails before any run. Every run's JSON is kept in ``--out-dir``; ``--reuse`` takes an existing one instead of running
+it again (same tag: variant, bandwidth, steps), and ``results.json`` is rewritten after every variant.
 
     sudo python recipes/bench_flexdemo.py                 # all variants: ~1.5 hours on 2 CPU cores
     python recipes/bench_flexdemo.py --variants hsdp demo-1/32-bf16 demo-1/32-sign diloco --steps 150
     python recipes/bench_flexdemo.py --plot-only outputs/bench_flexdemo/results.json
     python recipes/bench_flexdemo.py --reanalyse outputs/bench_flexdemo/results.json --target-loss 5.4
+    python recipes/bench_flexdemo.py --markdown outputs/bench_flexdemo/results.json    # the docs table
 """
 
 from __future__ import annotations
@@ -34,18 +46,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_hetero.comm import parse_bandwidth
-from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio
-from lightning_hetero.data import ShakespeareDataModule
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
+
+from bench_flexdemo_report import markdown_table, plot, step_cost  # noqa: E402
+from flexdemo_variants import parse_variant, validate_variant  # noqa: E402
+
+from lightning_hetero.comm import parse_bandwidth  # noqa: E402
+from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio  # noqa: E402
+from lightning_hetero.data import ShakespeareDataModule  # noqa: E402
+
 WORKER = REPO / "recipes" / "bench_worker.py"
 UNTHROTTLED = "unthrottled"
 COMPRESSIONS = {"1/16": 1 / 16, "1/32": 1 / 32, "1/64": 1 / 64}
-
-
-BASELINES = ("hsdp", "ddp")
 
 
 def all_variants() -> list[str]:
@@ -56,40 +69,36 @@ def all_variants() -> list[str]:
 
 def split_learning_rate(variant: str) -> tuple[str, float | None]:
     """``"demo-1/32-bf16@1e-3"`` -> ``("demo-1/32-bf16", 0.001)``; no ``@``: the run's ``--learning-rate``."""
-    name, _, rate = variant.partition("@")
-    if not rate:
-        return name, None
-    try:
-        return name, float(rate)
-    except ValueError:
-        raise ValueError(f"variant {variant!r}: the part after '@' must be a learning rate such as 1e-3") from None
+    parsed = parse_variant(variant)
+    return parsed.speed_key, parsed.learning_rate
 
 
 def baseline_of(variant: str) -> bool:
     """Whether a variant is a stock baseline (``hsdp`` or ``ddp``, with or without an ``@lr``)."""
-    return split_learning_rate(variant)[0] in BASELINES
+    return parse_variant(variant).baseline
 
 
 def worker_args(variant: str) -> list[str]:
-    """The worker's strategy arguments for a variant name (``name`` or ``name@learning_rate``)."""
-    variant, rate = split_learning_rate(variant)
-    if rate is not None:
-        return [*worker_args(variant), "--learning-rate", str(rate)]
-    if variant in BASELINES:
-        return ["--strategy", variant]
-    if variant == "diloco":
-        return ["--strategy", "flexdemo", "--replicator", "diloco", "--compression", str(1 / 32)]
-    replicator, compression, values = variant.split("-")
-    if replicator not in ("demo", "random") or compression not in COMPRESSIONS or values not in ("bf16", "sign"):
-        raise ValueError(f"unknown variant {variant!r}; choose from {all_variants()}")
-    strategy = ["--strategy", "flexdemo", "--replicator", replicator]
-    return strategy + ["--compression", str(COMPRESSIONS[compression]), "--values", values]
+    """The worker's strategy arguments for a variant name (grammar: ``recipes/flexdemo_variants.py``)."""
+    return parse_variant(variant).worker_args()
+
+
+def speed_steps(variant: str, bandwidth: str, args: argparse.Namespace) -> int:
+    """Steps of a speed run: enough for one whole period of a periodic variant (2 warm-up steps + H)."""
+    slow = parse_bandwidth(bandwidth) < 50e6  # few steps suffice when each takes tens of seconds
+    steps = args.slow_link_speed_steps if slow else args.speed_steps
+    return max(steps, parse_variant(variant).period + 2)
 
 
 def run_variant(variant: str, bandwidth: str, steps: int, val_every: int, args: argparse.Namespace) -> dict[str, Any]:
     """One testbed run of ``variant``: the worker's JSON summary plus bandwidth and wall time."""
     tag = f"{variant.replace('/', '_')}-{bandwidth}-{steps}"
     out = args.out_dir / f"{tag}.json"
+    if args.reuse and out.exists():
+        summary = json.loads(out.read_text())
+        if summary.get("variant") == variant and summary.get("bandwidth") == bandwidth:
+            summary.pop("step_seconds", None)
+            return summary
     worker = [sys.executable, str(WORKER), "--learning-rate", str(args.learning_rate), *worker_args(variant)]
     worker += ["--steps", str(steps), "--out", str(out), "--preset", args.preset]
     worker += ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--wire-counters", "--warmup", "2"]
@@ -106,6 +115,7 @@ def run_variant(variant: str, bandwidth: str, steps: int, val_every: int, args: 
         raise RuntimeError(f"{tag} failed (exit {completed.returncode}):\n{completed.stdout[-3000:]}{completed.stderr}")
     summary = json.loads(out.read_text())
     summary.update(variant=variant, bandwidth=bandwidth, wall_s=round(time.perf_counter() - started, 1))
+    out.write_text(json.dumps(summary, indent=1))  # tagged, so that --reuse can take it
     summary.pop("step_seconds", None)
     return summary
 
@@ -113,10 +123,11 @@ def run_variant(variant: str, bandwidth: str, steps: int, val_every: int, args: 
 def run_compute_only(args: argparse.Namespace) -> dict[str, Any]:
     """One process, one thread (each testbed rank gets one core), no communication: the compute part of a step."""
     out = args.out_dir / "compute-only.json"
-    command = [sys.executable, str(WORKER), "--strategy", "single", "--steps", "12", "--out", str(out)]
-    command += ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, env=env, check=True, cwd=args.out_dir, capture_output=True)
+    if not (args.reuse and out.exists()):
+        command = [sys.executable, str(WORKER), "--strategy", "single", "--steps", "12", "--out", str(out)]
+        command += ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(command, env=env, check=True, cwd=args.out_dir, capture_output=True)
     summary = json.loads(out.read_text())
     summary.pop("step_seconds", None)
     return summary
@@ -143,13 +154,16 @@ def analyse(
     margin: float,
     target_loss: float | None = None,
     compute_s: float | None = None,
+    default_variant: str | None = None,
 ) -> dict[str, Any]:
     """Bytes ratios, loss gaps, time to target, R and the physical-limit ratio, relative to the tuned baseline.
 
     The baseline is the stock variant (``hsdp``/``ddp``, any ``@lr``) with the lowest final validation loss: it gets
     its own learning-rate tuning. The target is ``target_loss`` when given, else the baseline's final validation loss
     x ``(1 + margin)``. ``speed`` is keyed by variant name without ``@lr`` (step time does not depend on the rate).
-    ``compute_s`` (one process, no communication) gives R and step / max(compute, wire / bandwidth).
+    ``compute_s`` (one process, no communication) gives R and step / max(compute, wire / bandwidth). ``default`` is
+    ``default_variant`` (else the first FlexDeMo variant), ``best`` the FlexDeMo variant fastest to target at the
+    first throttled bandwidth measured for every variant (ties: the lower loss), ``best_loss`` the lowest final loss.
     """
     baselines = [variant for variant in quality if baseline_of(variant)]
     if not baselines:
@@ -168,18 +182,20 @@ def analyse(
             "steps_to_target": reached,
         }
         for bandwidth, measured in speed.get(split_learning_rate(variant)[0], {}).items():
-            wire = max(measured["wire_tx_bytes_per_step"], measured["wire_rx_bytes_per_step"])
-            baseline = base_speed[bandwidth]
-            base_wire = max(baseline["wire_tx_bytes_per_step"], baseline["wire_rx_bytes_per_step"])
+            if bandwidth not in base_speed:
+                continue  # nothing to compare with
+            step_s, wire = step_cost(measured, variant)
+            _, base_wire = step_cost(base_speed[bandwidth], best)
             row[bandwidth] = {
                 "median_step_s": round(measured["median_step_s"], 4),
+                "step_s": round(step_s, 4),
                 "wire_bytes_per_step": wire,
                 "bytes_reduction_vs_baseline": round(base_wire / wire, 1) if wire else None,
-                "time_to_target_s": round(reached * measured["median_step_s"], 1) if reached else None,
+                "time_to_target_s": round(reached * step_s, 1) if reached else None,
             }
             if compute_s and bandwidth != UNTHROTTLED:
                 row[bandwidth]["step_over_physical_limit"] = round(
-                    physical_limit_ratio(measured["median_step_s"], compute_s, wire, bandwidth), 2
+                    physical_limit_ratio(step_s, compute_s, wire, bandwidth), 2
                 )
         rows[variant] = row
     for row in rows.values():
@@ -191,57 +207,66 @@ def analyse(
     if compute_s:
         for bandwidth, measured in base_speed.items():
             if bandwidth != UNTHROTTLED:
-                wire = max(measured["wire_tx_bytes_per_step"], measured["wire_rx_bytes_per_step"])
+                wire = step_cost(measured, best)[1]
                 operating[bandwidth] = operating_point(wire, bandwidth, compute_s).as_dict()
+    flexdemo = [variant for variant in rows if not baseline_of(variant)]
+    throttled = [bw for bw in base_speed if bw != UNTHROTTLED and all(bw in rows[v] for v in flexdemo)]
+    primary = throttled[0] if throttled else None
+    summary: dict[str, Any] = {"default": default_variant or (flexdemo[0] if flexdemo else None)}
+    if flexdemo:
+        summary["best_loss"] = min(flexdemo, key=lambda v: rows[v]["final_val_loss"])
+    if flexdemo and primary:
+        summary["best"] = max(
+            flexdemo, key=lambda v: (rows[v][primary]["speedup_to_target"] or 0, -rows[v]["final_val_loss"])
+        )
+        summary["best_at"] = primary
     return {
         "baseline": best,
         "target_val_loss": round(target, 4),
         "compute_s": compute_s,
         "operating_point": operating,
+        **summary,
         "variants": rows,
     }
 
 
-def plot(results: dict[str, Any], directory: Path) -> None:
-    """loss_vs_wallclock.png (per bandwidth) and bytes_per_step.png."""
-    import matplotlib
+def measure_speed(
+    variant: str, bandwidth: str, quality: dict[str, dict], speed: dict, args: argparse.Namespace
+) -> None:
+    """Step time and wire bytes of ``variant`` at ``bandwidth`` into ``speed`` (once per name without ``@lr``)."""
+    name = split_learning_rate(variant)[0]
+    if bandwidth in speed.get(name, {}):
+        return
+    # Unthrottled, the quality run's own step times and wire bytes are the measurement (validation excluded).
+    if bandwidth == UNTHROTTLED:
+        speed.setdefault(name, {})[bandwidth] = quality[variant]
+    else:
+        speed.setdefault(name, {})[bandwidth] = run_variant(
+            variant, bandwidth, speed_steps(variant, bandwidth, args), 0, args
+        )
+    step_s, wire = step_cost(speed[name][bandwidth], variant)
+    print(f"{variant} @ {bandwidth}: {step_s:.3f} s/step, wire {wire:.0f} B/step", file=sys.stderr, flush=True)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    bandwidths = results["config"]["bandwidths"]
-    figure, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), sharey=True, squeeze=False)
-    for axis, bandwidth in zip(axes[0], bandwidths, strict=True):
-        for variant, run in results["quality"].items():
-            measured = results["speed"].get(split_learning_rate(variant)[0], {}).get(bandwidth)
-            if measured is None:
-                continue
-            steps, losses = zip(*run["val_losses"], strict=True)
-            axis.plot([s * measured["median_step_s"] for s in steps], losses, label=variant, linewidth=1)
-        axis.set_xscale("log")
-        axis.set_title(f"validation loss vs training time @ {bandwidth}")
-        axis.set_xlabel("seconds (measured step time x steps)")
-    axes[0][0].set_ylabel("validation loss")
-    axes[0][0].legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(directory / "loss_vs_wallclock.png", dpi=120)
-
-    figure, axis = plt.subplots(figsize=(9, 4))
-    variants = list(results["analysis"]["variants"])
-    first = bandwidths[-1]
-    values = [results["analysis"]["variants"][v].get(first, {}).get("wire_bytes_per_step") or 0 for v in variants]
-    axis.bar(range(len(variants)), values)
-    axis.set_yscale("log")
-    axis.set_xticks(range(len(variants)), variants, rotation=60, ha="right", fontsize=7)
-    axis.set_ylabel(f"wire bytes per step per node @ {first}")
-    figure.tight_layout()
-    figure.savefig(directory / "bytes_per_step.png", dpi=120)
+def write_results(args: argparse.Namespace, compute: dict, quality: dict, speed: dict) -> dict[str, Any]:
+    """results.json with the analysis of what has been measured so far (rewritten after every variant)."""
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    results = {"meta": run_metadata(), "config": config, "compute_only": compute, "quality": quality, "speed": speed}
+    results["analysis"] = analyse(
+        quality, speed, args.target_margin, args.target_loss, compute["median_step_s"], args.default_variant
+    )
+    (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=all_variants())
+    parser.add_argument("--variants", nargs="+", default=all_variants(), help="names: recipes/flexdemo_variants.py")
     parser.add_argument("--bandwidths", nargs="+", default=[UNTHROTTLED, "100mbit", "20mbit"])
+    parser.add_argument(
+        "--extra-bandwidths", nargs="*", default=[], help="measured for the baseline, the default and the best only"
+    )
+    parser.add_argument("--default-variant", help="the untuned FlexDeMo variant (default: the first FlexDeMo one)")
     parser.add_argument("--steps", type=int, default=300, help="quality phase: optimizer steps")
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--val-batches", type=int, default=8)
@@ -256,68 +281,70 @@ def main() -> None:
     parser.add_argument("--target-margin", type=float, default=0.02, help="target = HSDP final loss x (1 + margin)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per testbed run")
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/bench_flexdemo"))
+    parser.add_argument("--reuse", action="store_true", help="take runs whose JSON is already in --out-dir")
     parser.add_argument("--target-loss", type=float, help="explicit target validation loss (overrides the margin)")
     parser.add_argument("--plot-only", type=Path, help="re-plot an existing results.json and exit")
     parser.add_argument("--reanalyse", type=Path, help="recompute the analysis of a results.json (new target) and exit")
+    parser.add_argument("--markdown", type=Path, help="print the table of an existing results.json and exit")
     args = parser.parse_args()
 
     if args.plot_only:
         plot(json.loads(args.plot_only.read_text()), args.plot_only.parent)
         return
+    if args.markdown:
+        print(markdown_table(json.loads(args.markdown.read_text())))
+        return
     if args.reanalyse:
         results = json.loads(args.reanalyse.read_text())
         compute = results.get("compute_only", {}).get("median_step_s")
+        default = results["config"].get("default_variant")
         results["analysis"] = analyse(
-            results["quality"], results["speed"], args.target_margin, args.target_loss, compute
+            results["quality"], results["speed"], args.target_margin, args.target_loss, compute, default
         )
         args.reanalyse.write_text(json.dumps(results, indent=1))
         print(json.dumps(results["analysis"], indent=1))
         return
+    try:
+        for variant in args.variants:
+            validate_variant(variant)  # fail on a bad name before any run
+        if args.default_variant and args.default_variant not in args.variants:
+            raise ValueError(f"--default-variant {args.default_variant!r} is not one of --variants")
+        if args.default_variant and baseline_of(args.default_variant):
+            raise ValueError(f"--default-variant {args.default_variant!r} is a baseline; name a FlexDeMo variant")
+        for bandwidth in [*args.bandwidths, *args.extra_bandwidths]:
+            if bandwidth != UNTHROTTLED:
+                parse_bandwidth(bandwidth)
+    except ValueError as error:
+        parser.error(str(error))
     if not any(baseline_of(variant) for variant in args.variants):
         parser.error("--variants must include a stock baseline, hsdp or ddp (optionally @lr, e.g. ddp@1e-3).")
     if args.ranks_per_node == 1 and any(split_learning_rate(v)[0] == "hsdp" for v in args.variants):
         parser.error("hsdp shards within a node: use --ranks-per-node 2 for it, or the ddp baseline.")
-    for variant in args.variants:
-        worker_args(variant)  # fail on a bad name before any run
-    for bandwidth in args.bandwidths:
-        if bandwidth != UNTHROTTLED:
-            parse_bandwidth(bandwidth)
     args.out_dir = args.out_dir.resolve()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size).prepare_data()  # tokenize once
 
     compute = run_compute_only(args)
     print(f"compute only: {compute['median_step_s']:.3f} s/step", file=sys.stderr, flush=True)
-    quality, speed = {}, {}
+    quality: dict[str, dict] = {}
+    speed: dict[str, dict[str, dict]] = {}
     for variant in args.variants:
         quality[variant] = run_variant(variant, UNTHROTTLED, args.steps, args.val_every, args)
         print(f"{variant}: val losses {quality[variant]['val_losses'][-3:]}", file=sys.stderr, flush=True)
-        name = split_learning_rate(variant)[0]  # step time and bytes do not depend on the learning rate
         for bandwidth in args.bandwidths:
-            if bandwidth in speed.get(name, {}):
-                continue
-            # Unthrottled, the quality run's own step times and wire bytes are the measurement (validation excluded).
-            if bandwidth == UNTHROTTLED:
-                speed.setdefault(name, {})[bandwidth] = quality[variant]
-            else:
-                slow = parse_bandwidth(bandwidth) < 50e6  # few steps suffice when each takes tens of seconds
-                steps = args.slow_link_speed_steps if slow else args.speed_steps
-                speed.setdefault(name, {})[bandwidth] = run_variant(variant, bandwidth, steps, 0, args)
-            measured = speed[name][bandwidth]
-            print(
-                f"{variant} @ {bandwidth}: {measured['median_step_s']:.3f} s/step, wire tx/rx "
-                f"{measured['wire_tx_bytes_per_step']:.0f}/{measured['wire_rx_bytes_per_step']:.0f} B/step",
-                file=sys.stderr,
-                flush=True,
-            )
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    results = {"meta": run_metadata(), "config": config, "compute_only": compute, "quality": quality, "speed": speed}
-    results["analysis"] = analyse(quality, speed, args.target_margin, args.target_loss, compute["median_step_s"])
-    (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
+            measure_speed(variant, bandwidth, quality, speed, args)
+        results = write_results(args, compute, quality, speed)
+    analysis = results["analysis"]
+    chosen = dict.fromkeys([analysis["baseline"], analysis["default"], analysis.get("best")])
+    for bandwidth in args.extra_bandwidths:
+        for variant in filter(None, chosen):
+            measure_speed(variant, bandwidth, quality, speed, args)
+    results = write_results(args, compute, quality, speed)
     plot(results, args.out_dir)
     if args.headline:
         write_headline(results["analysis"])
-    print(json.dumps(results["analysis"], indent=1))
+    print(json.dumps({key: value for key, value in results["analysis"].items() if key != "variants"}, indent=1))
+    print(markdown_table(results))
 
 
 def write_headline(analysis: dict[str, Any], bandwidth: str = "100mbit") -> None:

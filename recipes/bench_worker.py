@@ -8,7 +8,10 @@ are recorded; rank 0 writes a JSON summary to ``--out``.
     python recipes/bench_worker.py --strategy single --steps 12 --out /tmp/single.json
 
 With ``--val-every N`` the validation loss (``--val-batches`` batches of rank 0's validation shard) is recorded every
-``N`` steps; validation time is not part of the step times.
+``N`` steps; validation time is not part of the step times. FlexDeMo options beyond the replicator, compression and
+values (``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``) go to ``replicator_options``;
+``--no-error-feedback`` hands the strategy a ``DecoupledAdamW`` whose replicator drops what it does not send
+(``recipes/flexdemo_variants.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from flexdemo_variants import Variant, build_variant_replicator
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
@@ -92,6 +97,29 @@ class HSDPCausalLM(CausalLMModule):
         fully_shard(self.model, mesh=mesh)
 
 
+class OwnReplicatorCausalLM(CausalLMModule):
+    """The reference causal LM whose AdamW is converted here, with a replicator the strategy cannot build by name.
+
+    ``configure_optimizers`` runs after the strategy has sharded the model; converting the AdamW with the same
+    ``convert_optimizer`` the strategy uses (and re-pointing the LR scheduler) hands it a ``DecoupledAdamW`` it uses
+    as given, identical to the stock conversion except for the replicator.
+    """
+
+    replicator_factory: Callable[[], Any] | None = None
+
+    @override
+    def configure_optimizers(self) -> Any:
+        from lightning_hetero.flexdemo.conversion import convert_optimizer, repoint_scheduler
+
+        config = super().configure_optimizers()
+        if self.replicator_factory is None:
+            return config
+        original = config["optimizer"]
+        config["optimizer"], _ = convert_optimizer(original, self.replicator_factory)
+        repoint_scheduler(config["lr_scheduler"]["scheduler"], original, config["optimizer"])
+        return config
+
+
 class HSDPStrategy(ModelParallelStrategy):
     """Stock ``ModelParallelStrategy`` whose sampler treats every rank as data parallel.
 
@@ -111,6 +139,11 @@ def main() -> None:
     parser.add_argument("--replicator", default="demo", help="flexdemo: demo, random, striding, diloco, full, topk")
     parser.add_argument("--compression", type=float, default=1 / 32, help="flexdemo: fraction of coefficients kept")
     parser.add_argument("--values", default=None, help="flexdemo: fp32, bf16, sign or ternary (replicator default)")
+    parser.add_argument("--chunk", type=int, default=None, help="flexdemo demo/topk: block side (default 64)")
+    parser.add_argument("--sync-every", type=int, default=None, help="flexdemo diloco: H (default 1/compression)")
+    parser.add_argument("--outer-lr", type=float, default=None, help="flexdemo diloco: outer learning rate (0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=None, help="flexdemo diloco: outer momentum (0.9)")
+    parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
     parser.add_argument("--val-batches", type=int, default=8)
@@ -129,6 +162,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
     options = {"preset": args.preset, "warmup_steps": 0, "learning_rate": args.learning_rate}
+    variant: Variant | None = None
     if args.strategy == "single":
         module, strategy = CausalLMModule(**options), "auto"
     elif args.strategy == "ddp":
@@ -136,9 +170,23 @@ def main() -> None:
     elif args.strategy == "flexdemo":
         from lightning_hetero import FlexDeMoStrategy
 
-        module = CausalLMModule(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
+        variant = Variant(
+            name="worker",
+            strategy="flexdemo",
+            replicator=args.replicator,
+            compression=args.compression,
+            values=args.values,
+            chunk=args.chunk,
+            error_feedback=not args.no_error_feedback,
+            sync_every=args.sync_every,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+        )
+        module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
+        if not variant.error_feedback:
+            module.replicator_factory = lambda: build_variant_replicator(variant)
         strategy = FlexDeMoStrategy(
-            replicator=args.replicator, compression=args.compression, replicator_options={"values": args.values}
+            replicator=args.replicator, compression=args.compression, replicator_options=variant.replicator_options()
         )
     else:
         module = HSDPCausalLM(**options)
@@ -180,15 +228,21 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "step_seconds": recorder.step_seconds,
         "median_step_s": median_step,
+        "mean_step_s": statistics.fmean(measured),
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / median_step,
         # This node's eth0 during the measured steps: (tx, rx) bytes per step; None outside the testbed.
         "wire_tx_bytes_per_step": statistics.median(tx for tx, _ in wire) if wire else None,
         "wire_rx_bytes_per_step": statistics.median(rx for _, rx in wire) if wire else None,
+        # Means: periodic exchanges (DiLoCo) send on some steps only; over a whole period the mean is the cost.
+        "wire_tx_bytes_per_step_mean": statistics.fmean(tx for tx, _ in wire) if wire else None,
+        "wire_rx_bytes_per_step_mean": statistics.fmean(rx for _, rx in wire) if wire else None,
         "val_losses": validation.losses,
         "replicator": args.replicator if args.strategy == "flexdemo" else None,
         "compression": args.compression if args.strategy == "flexdemo" else None,
         "values": args.values if args.strategy == "flexdemo" else None,
+        "replicator_options": variant.replicator_options() if variant else None,
+        "error_feedback": variant.error_feedback if variant else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,220 @@
+"""Variant names of ``recipes/bench_flexdemo.py``: one string per run, parsed into the worker's strategy arguments.
+
+Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
+
+    variant  := base ["@" LR]                       e.g. demo-1/32-sign-c128@3e-4
+    base     := "ddp" | "hsdp"                      stock Lightning baselines
+              | REPLICATOR ("-" option)*            FlexDeMoStrategy with that replicator
+    option   := "1/" N        fraction of coefficients kept (compression 1/N; diloco: default H = N)
+              | VALUES        fp32, bf16, sign or ternary (the wire encoding of the kept values)
+              | "c" N         DCT block / top-k chunk side (demo, topk)
+              | "noef"        error feedback off: what is not sent is dropped (demo, topk, random, striding)
+              | "h" N         DiLoCo local steps between syncs (diloco)
+              | "olr" X       DiLoCo outer learning rate (diloco)
+              | "om" X        DiLoCo outer Nesterov momentum (diloco)
+
+``REPLICATOR`` is one of demo, random, topk, striding, diloco, full. The old names (``demo-1/32-bf16``, ``diloco``,
+``random-1/64-sign@1e-3``) parse to exactly the arguments they always had. DeMo and DiLoCo together (DCT top-k per
+step plus a periodic outer step) cannot be named: an optimizer holds one replicator, and the runtime has no
+replicator that composes the two (see docs/flexdemo.md, "Link-bound tuning sweep").
+
+Unknown or misplaced tokens raise a ``ValueError`` naming the token and the fix, before any run starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+BASELINES = ("hsdp", "ddp")
+REPLICATORS = ("demo", "random", "topk", "striding", "diloco", "full")
+VALUES = ("fp32", "bf16", "sign", "ternary")
+#: Which options each replicator takes (the fraction and the values apply to all but ``full``'s fraction).
+CHUNKED = ("demo", "topk")
+WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
+GRAMMAR_HELP = (
+    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-h<H>][-olr<x>][-om<x>][@<lr>] with "
+    f"replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk only, noef: "
+    f"{'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om: diloco only (e.g. demo-1/32-sign-c128@3e-4, diloco-h16-olr0.7)"
+)
+
+_FRACTION = re.compile(r"1/(\d+)")
+_INTEGER_OPTION = re.compile(r"(c|h)(\d+)")
+_FLOAT_OPTION = re.compile(r"(olr|om)(\d*\.?\d+(?:e-?\d+)?)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One benchmark run's strategy configuration, parsed from its name."""
+
+    name: str
+    strategy: str  # "ddp", "hsdp" or "flexdemo"
+    learning_rate: float | None = None
+    replicator: str | None = None
+    compression: float | None = None
+    values: str | None = None
+    chunk: int | None = None
+    error_feedback: bool = True
+    sync_every: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+
+    @property
+    def speed_key(self) -> str:
+        """The name without ``@lr``: step time and bytes do not depend on the learning rate."""
+        return self.name.partition("@")[0]
+
+    @property
+    def baseline(self) -> bool:
+        """A stock Lightning baseline (``ddp`` or ``hsdp``)."""
+        return self.strategy in BASELINES
+
+    @property
+    def periodic(self) -> bool:
+        """Communicates only on some steps (DiLoCo): step time and bytes must be averaged over a whole period."""
+        return self.replicator == "diloco"
+
+    @property
+    def period(self) -> int:
+        """Steps between synchronisations (1 for every-step exchanges)."""
+        if not self.periodic:
+            return 1
+        return self.sync_every or max(1, round(1 / (self.compression or 1 / 32)))
+
+    def replicator_options(self) -> dict[str, Any]:
+        """``build_replicator`` options set by the name (None: the replicator's default)."""
+        options = {"values": self.values, "chunk": self.chunk, "sync_every": self.sync_every}
+        options |= {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        return {key: value for key, value in options.items() if value is not None}
+
+    def worker_args(self) -> list[str]:
+        """The ``recipes/bench_worker.py`` arguments of this variant."""
+        if self.baseline:
+            args = ["--strategy", self.strategy]
+        else:
+            args = ["--strategy", "flexdemo", "--replicator", str(self.replicator)]
+            args += ["--compression", str(self.compression)]
+            for option, flag in (("values", "--values"), ("chunk", "--chunk"), ("sync_every", "--sync-every")):
+                if getattr(self, option) is not None:
+                    args += [flag, str(getattr(self, option))]
+            for option, flag in (("outer_lr", "--outer-lr"), ("outer_momentum", "--outer-momentum")):
+                if getattr(self, option) is not None:
+                    args += [flag, str(getattr(self, option))]
+            if not self.error_feedback:
+                args.append("--no-error-feedback")
+        if self.learning_rate is not None:
+            args += ["--learning-rate", str(self.learning_rate)]
+        return args
+
+
+def parse_variant(name: str) -> Variant:
+    """Parse a variant name (see the module docstring); raise ``ValueError`` naming the bad token and the fix."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"--variants: empty variant name; {GRAMMAR_HELP}")
+    base, at, rate = name.partition("@")
+    learning_rate = None
+    if at:
+        try:
+            learning_rate = float(rate)
+        except ValueError:
+            raise ValueError(f"variant {name!r}: the part after '@' must be a learning rate such as 1e-3") from None
+        if not learning_rate > 0:
+            raise ValueError(f"variant {name!r}: the learning rate after '@' must be > 0")
+    if "+" in base:
+        raise ValueError(
+            f"variant {name!r}: combinations such as demo+diloco are not supported (an optimizer holds one replicator"
+            f" and none composes DeMo with DiLoCo); {GRAMMAR_HELP}"
+        )
+    replicator, *tokens = base.split("-")
+    if replicator in BASELINES:
+        if tokens:
+            raise ValueError(f"variant {name!r}: the stock baseline {replicator!r} takes no options, only '@<lr>'")
+        return Variant(name=name, strategy=replicator, learning_rate=learning_rate)
+    if replicator not in REPLICATORS:
+        raise ValueError(f"variant {name!r}: unknown strategy or replicator {replicator!r}; {GRAMMAR_HELP}")
+    fields: dict[str, Any] = {}
+
+    def put(field: str, value: Any, token: str) -> None:
+        if field in fields:
+            raise ValueError(f"variant {name!r}: {field} given twice (token {token!r}); give each option once")
+        fields[field] = value
+
+    for token in tokens:
+        if match := _FRACTION.fullmatch(token):
+            denominator = int(match.group(1))
+            if denominator < 1:
+                raise ValueError(f"variant {name!r}: fraction {token!r} must be 1/N with N >= 1")
+            put("compression", 1 / denominator, token)
+        elif token in VALUES:
+            put("values", token, token)
+        elif token == "noef":
+            _only(name, token, replicator, WITH_ERROR_FEEDBACK, "error feedback off")
+            put("error_feedback", False, token)
+        elif match := _INTEGER_OPTION.fullmatch(token):
+            option, number = match.group(1), int(match.group(2))
+            if option == "c":
+                _only(name, token, replicator, CHUNKED, "the chunk size")
+                put("chunk", number, token)
+            else:
+                _only(name, token, replicator, ("diloco",), "H (local steps per sync)")
+                put("sync_every", number, token)
+        elif match := _FLOAT_OPTION.fullmatch(token):
+            _only(name, token, replicator, ("diloco",), "the outer learning rate / momentum")
+            put("outer_lr" if match.group(1) == "olr" else "outer_momentum", float(match.group(2)), token)
+        elif token in REPLICATORS:
+            raise ValueError(
+                f"variant {name!r}: {replicator} and {token} cannot be combined (an optimizer holds one replicator"
+                " and none composes them); run them as separate variants"
+            )
+        else:
+            raise ValueError(f"variant {name!r}: unknown option {token!r}; {GRAMMAR_HELP}")
+    if replicator == "diloco" and "sync_every" in fields and "compression" in fields:
+        raise ValueError(f"variant {name!r}: give DiLoCo's period once, as h<H> or as 1/N (which means H = N)")
+    if replicator == "full" and "compression" in fields:
+        raise ValueError(f"variant {name!r}: 'full' sends everything; drop the fraction (use values to compress)")
+    fields.setdefault("compression", 1 / 32)
+    return Variant(name=name, strategy="flexdemo", learning_rate=learning_rate, replicator=replicator, **fields)
+
+
+def _only(name: str, token: str, replicator: str, allowed: tuple[str, ...], what: str) -> None:
+    if replicator not in allowed:
+        raise ValueError(f"variant {name!r}: {token!r} sets {what}, which only {'/'.join(allowed)} take")
+
+
+def validate_variant(name: str) -> Variant:
+    """Parse ``name`` and build its replicator once, so range errors (chunk > 256, H < 1, ...) fail before any run."""
+    variant = parse_variant(name)
+    if not variant.baseline:
+        try:
+            build_variant_replicator(variant)
+        except ValueError as error:
+            raise ValueError(f"variant {name!r}: {error}") from None
+    return variant
+
+
+def build_variant_replicator(variant: Variant) -> Any:
+    """A fresh replicator for a FlexDeMo variant; with ``noef``, one that drops what it does not send.
+
+    Compressing replicators subtract what they sent from the optimizer's buffer in place (error feedback). The
+    ``noef`` class zeroes that buffer after each encode, so nothing is left for later steps. With ``DecoupledAdamW``
+    (the benchmark's optimizer) the buffer is the error-feedback accumulator ``e``: each step then sends the top-k of
+    that step's Adam direction alone. (With ``DeMoSGD`` the buffer is the momentum, which this would also drop.)
+    """
+    from lightning_hetero.flexdemo.replicators import REPLICATORS, build_replicator
+
+    if variant.baseline:
+        raise ValueError(f"variant {variant.name!r} is a stock baseline and has no replicator")
+    compression = float(variant.compression or 1 / 32)
+    if variant.error_feedback:
+        return build_replicator(str(variant.replicator), compression, **variant.replicator_options())
+    base = REPLICATORS[str(variant.replicator)]
+
+    class NoErrorFeedback(base):  # type: ignore[misc, valid-type]
+        def encode(self, key: int, source: Any) -> Any:
+            piece = super().encode(key, source)
+            source.zero_()  # drop the unsent remainder (and the quantisation error) of this step
+            return piece
+
+    NoErrorFeedback.__name__ = NoErrorFeedback.__qualname__ = f"NoErrorFeedback{base.__name__}"
+    return NoErrorFeedback(compression, **variant.replicator_options())

@@ -1,0 +1,165 @@
+"""The variant grammar of recipes/bench_flexdemo.py (recipes/flexdemo_variants.py) and the sweep's analysis."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "recipes"))
+
+variants = importlib.import_module("flexdemo_variants")
+bench = importlib.import_module("bench_flexdemo")
+
+# What worker_args returned for the old names before the grammar existed (recipes/bench_flexdemo.py at 0c49f5b).
+OLD_NAMES = {
+    "ddp": ["--strategy", "ddp"],
+    "hsdp@1e-3": ["--strategy", "hsdp", "--learning-rate", "0.001"],
+    "demo-1/32-bf16": [
+        "--strategy",
+        "flexdemo",
+        "--replicator",
+        "demo",
+        "--compression",
+        str(1 / 32),
+        "--values",
+        "bf16",
+    ],
+    "random-1/64-sign@3e-3": [
+        *["--strategy", "flexdemo", "--replicator", "random", "--compression", str(1 / 64), "--values", "sign"],
+        *["--learning-rate", "0.003"],
+    ],
+    "diloco": ["--strategy", "flexdemo", "--replicator", "diloco", "--compression", str(1 / 32)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_NAMES))
+def test_old_names_keep_their_worker_arguments(name):
+    assert bench.worker_args(name) == OLD_NAMES[name]
+
+
+def test_every_old_default_variant_still_parses():
+    for name in bench.all_variants():
+        variants.validate_variant(name)
+
+
+def test_sweep_dimensions_reach_the_worker():
+    args = bench.worker_args("demo-1/16-sign-c128-noef@3e-4")
+    assert args == [
+        *["--strategy", "flexdemo", "--replicator", "demo", "--compression", str(1 / 16), "--values", "sign"],
+        *["--chunk", "128", "--no-error-feedback", "--learning-rate", "0.0003"],
+    ]
+    diloco = variants.parse_variant("diloco-h16-olr0.5-om0.8-bf16")
+    assert diloco.replicator_options() == {"values": "bf16", "sync_every": 16, "outer_lr": 0.5, "outer_momentum": 0.8}
+    assert diloco.periodic and diloco.period == 16 and diloco.speed_key == "diloco-h16-olr0.5-om0.8-bf16"
+    assert variants.parse_variant("diloco").period == 32 and variants.parse_variant("diloco-1/8").period == 8
+    assert variants.parse_variant("demo-1/32-sign@1e-3").speed_key == "demo-1/32-sign"
+    assert not variants.parse_variant("demo-1/32-sign").periodic
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("demo-1/32-bf17", "unknown option 'bf17'"),
+        ("demox-1/32", "unknown strategy or replicator 'demox'"),
+        ("random-1/32-c32", "'c32' sets the chunk size, which only demo/topk take"),
+        ("diloco-noef", "only demo/topk/random/striding take"),
+        ("demo-h16", "only diloco take"),
+        ("demo-olr0.7", "only diloco take"),
+        ("demo+diloco", "combinations such as demo+diloco are not supported"),
+        ("demo-1/32-diloco", "demo and diloco cannot be combined"),
+        ("demo-1/32-1/16", "compression given twice"),
+        ("diloco-h16-1/32", "give DiLoCo's period once"),
+        ("full-1/32", "'full' sends everything"),
+        ("ddp-sign", "takes no options"),
+        ("demo-1/32@fast", "must be a learning rate"),
+        ("demo-1/32@-1e-3", "must be > 0"),
+        ("demo-1/0", "must be 1/N with N >= 1"),
+    ],
+)
+def test_bad_names_are_refused_with_the_token_and_the_fix(name, message):
+    with pytest.raises(ValueError, match="variant") as raised:
+        variants.parse_variant(name)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"), [("demo-c512", "chunk must be an integer in [1, 256]"), ("diloco-h0", "sync_every")]
+)
+def test_out_of_range_options_fail_at_validation(name, message):
+    variants.parse_variant(name)  # the grammar accepts it; the replicator's own check refuses it
+    with pytest.raises(ValueError, match=r"variant .*") as raised:
+        variants.validate_variant(name)
+    assert message in str(raised.value)
+
+
+def test_the_script_refuses_a_bad_name_before_any_run(tmp_path, monkeypatch, capsys):
+    argv = ["bench_flexdemo.py", "--out-dir", str(tmp_path / "out"), "--variants", "ddp", "demo-1/32-signn"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        bench.main()
+    assert exited.value.code == 2
+    assert "unknown option 'signn'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
+def test_no_error_feedback_sends_the_same_payload_and_keeps_nothing():
+    torch.manual_seed(0)
+    source = torch.randn(128, 96)
+    with_feedback = variants.build_variant_replicator(variants.parse_variant("demo-1/32-sign"))
+    without = variants.build_variant_replicator(variants.parse_variant("demo-1/32-sign-noef"))
+    kept, dropped = source.clone(), source.clone()
+    piece_kept, piece_dropped = with_feedback.encode(0, kept), without.encode(0, dropped)
+    assert torch.equal(piece_kept.wire, piece_dropped.wire)
+    assert without.payload_bytes([source.shape]) == with_feedback.payload_bytes([source.shape])
+    assert kept.abs().sum() > 0  # error feedback: the unsent remainder stays for the next step
+    assert torch.count_nonzero(dropped) == 0
+    assert type(without).__name__ == "NoErrorFeedbackDeMoReplicator" and isinstance(without, type(with_feedback))
+
+
+def _run(losses, median_s, wire, mean_s=None, mean_wire=None):
+    run = {"val_losses": losses, "median_step_s": median_s, "wire_tx_bytes_per_step": wire}
+    run |= {"wire_rx_bytes_per_step": wire, "mean_step_s": mean_s, "wire_tx_bytes_per_step_mean": mean_wire}
+    return run | {"wire_rx_bytes_per_step_mean": mean_wire}
+
+
+def test_analysis_averages_diloco_over_its_period_and_picks_default_and_best():
+    quality = {
+        "ddp@3e-3": _run([(10, 7.0), (20, 6.0)], 1.0, 1000),
+        "demo-1/32-sign@1e-3": _run([(10, 7.5), (20, 6.1)], 1.0, 1000),
+        "demo-1/16-sign@1e-3": _run([(10, 6.0), (20, 6.05)], 1.0, 1000),
+        "diloco-h16": _run([(10, 6.5), (20, 6.0)], 1.0, 1000),
+    }
+    speed = {
+        "ddp": {"100mbit": _run([], 10.0, 100_000)},
+        "demo-1/32-sign": {"100mbit": _run([], 2.0, 1_000)},
+        "demo-1/16-sign": {"100mbit": _run([], 2.5, 2_000)},
+        # median: an inner step without communication; mean over one period: what a step really costs
+        "diloco-h16": {"100mbit": _run([], 0.5, 0, mean_s=1.0, mean_wire=10_000)},
+    }
+    analysis = bench.analyse(quality, speed, margin=0.02, compute_s=0.5)
+    rows = analysis["variants"]
+    assert analysis["baseline"] == "ddp@3e-3" and analysis["target_val_loss"] == pytest.approx(6.12)
+    assert analysis["default"] == "demo-1/32-sign@1e-3"  # the first FlexDeMo variant unless named
+    assert rows["diloco-h16"]["100mbit"]["step_s"] == 1.0
+    assert rows["diloco-h16"]["100mbit"]["bytes_reduction_vs_baseline"] == 10.0
+    # to target: ddp 20 x 10 s; demo 1/16 reaches it at step 10 (25 s); diloco at 20 (20 s); demo 1/32 at 20 (40 s)
+    assert rows["demo-1/16-sign@1e-3"]["100mbit"]["speedup_to_target"] == 8.0
+    assert rows["diloco-h16"]["100mbit"]["speedup_to_target"] == 10.0
+    assert analysis["best"] == "diloco-h16" and analysis["best_at"] == "100mbit"
+    assert analysis["best_loss"] == "diloco-h16"
+    assert analysis["operating_point"]["100mbit"]["ratio"] == pytest.approx(100_000 * 8 / 1e8 / 0.5, rel=1e-3)
+    named = bench.analyse(quality, speed, margin=0.02, compute_s=0.5, default_variant="demo-1/16-sign@1e-3")
+    assert named["default"] == "demo-1/16-sign@1e-3"
+
+
+def test_speed_runs_of_diloco_cover_a_whole_period():
+    args = type("Args", (), {"speed_steps": 8, "slow_link_speed_steps": 5})()
+    assert bench.speed_steps("demo-1/32-sign@1e-3", "100mbit", args) == 8
+    assert bench.speed_steps("demo-1/32-sign", "20mbit", args) == 5
+    assert bench.speed_steps("diloco-h16-olr0.7", "100mbit", args) == 18
+    assert bench.speed_steps("diloco", "20mbit", args) == 34
