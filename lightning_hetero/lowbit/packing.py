@@ -65,14 +65,15 @@ def _pack_fields(fields: torch.Tensor, per_byte: int) -> torch.Tensor:
     width = 8 // per_byte
     pad = (-fields.numel()) % per_byte
     fields = torch.cat((fields, fields.new_zeros(pad))).view(-1, per_byte)
-    return (fields << (torch.arange(per_byte) * width)).sum(dim=1).to(torch.uint8)
+    return (fields << (torch.arange(per_byte, device=fields.device) * width)).sum(dim=1).to(torch.uint8)
 
 
 def _unpack_fields(data: torch.Tensor, count: int, per_byte: int, what: str) -> torch.Tensor:
     if data.dtype != torch.uint8 or data.numel() != (count + per_byte - 1) // per_byte:
         raise ValueError(f"{what}: need {(count + per_byte - 1) // per_byte} uint8 bytes for {count} codes.")
     width = 8 // per_byte
-    fields = (data.reshape(-1).to(torch.int64)[:, None] >> (torch.arange(per_byte) * width)) & ((1 << width) - 1)
+    shifts = torch.arange(per_byte, device=data.device) * width  # on the data's device: unpacking a CUDA buffer works
+    fields = (data.reshape(-1).to(torch.int64)[:, None] >> shifts) & ((1 << width) - 1)
     fields = fields.reshape(-1)
     if bool((fields[count:] != 0).any()):
         raise ValueError(f"{what}: non-zero padding bits.")
@@ -108,7 +109,7 @@ def unpack_ternary_base3(data: torch.Tensor, count: int) -> torch.Tensor:
     values = data.reshape(-1).to(torch.int64)
     if bool((values > 242).any()):
         raise ValueError("base-3 ternary: byte above 242 (3**5 - 1).")
-    digits = ((values[:, None] // _POW3) % 3).reshape(-1)
+    digits = ((values[:, None] // _POW3.to(values.device)) % 3).reshape(-1)
     if bool((digits[count:] != 1).any()):
         raise ValueError("base-3 ternary: padding trits must be 0.")
     return (digits[:count] - 1).to(torch.int8)

@@ -38,17 +38,17 @@ def test_on_bad_payload_names_the_argument_and_the_choices(bad):
     assert validate_on_bad_payload("Owner", "drop") == "drop"
 
 
-def test_the_shared_checks_name_the_peer():
+def test_the_shared_checks_name_the_peer(device):
     with pytest.raises(PeerPayloadError, match="payload from rank 2 has 3 elements, expected 4"):
-        check_length(torch.zeros(3), 4, peer=2)
+        check_length(torch.zeros(3, device=device), 4, peer=2)
     with pytest.raises(PeerPayloadError, match="index 9, outside \\[0, 8\\)"):
-        check_index_range(torch.tensor([1, 9]), 8, peer=1)
+        check_index_range(torch.tensor([1, 9], device=device), 8, peer=1)
     with pytest.raises(PeerPayloadError, match="index -1"):
-        check_index_range(torch.tensor([-1, 3]), 8)
+        check_index_range(torch.tensor([-1, 3], device=device), 8)
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(PeerPayloadError, match="non-finite"):
-            check_finite(torch.tensor([0.0, bad]), peer=0)
-    check_finite(torch.tensor([1, 2]))  # integers are never non-finite
+            check_finite(torch.tensor([0.0, bad], device=device), peer=0)
+    check_finite(torch.tensor([1, 2], device=device))  # integers are never non-finite
 
 
 @FUZZ

@@ -12,13 +12,18 @@ from lightning_hetero.flexdemo import DecoupledAdamW, DeMoSGD, build_replicator
 from lightning_hetero.flexdemo.transforms import ChunkedDCT
 
 
-def _param(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+def _param(
+    *shape: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> torch.nn.Parameter:
+    """Seeded on the CPU generator, then moved: the same values on every device."""
+    return torch.nn.Parameter(
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+    )
 
 
-def test_weight_decay_works_and_is_decoupled() -> None:
+def test_weight_decay_works_and_is_decoupled(device: torch.device) -> None:
     # The anchor's DeToSGD raised AttributeError for its weight decay; here a zero gradient leaves only the decay.
-    p = _param(4, 4)
+    p = _param(4, 4, device=device)
     start = p.detach().clone()
     optimizer = DeMoSGD([p], lr=0.1, weight_decay=0.5)
     p.grad = torch.zeros_like(p)
@@ -26,17 +31,17 @@ def test_weight_decay_works_and_is_decoupled() -> None:
     assert torch.equal(p.detach(), start * (1 - 0.1 * 0.5))
 
 
-def test_demo_sgd_single_replica_matches_hand_computation() -> None:
+def test_demo_sgd_single_replica_matches_hand_computation(device: torch.device) -> None:
     """n = 1: delta = beta*delta + lr*g; u = IDCT(topk(DCT(delta))); delta -= u; p -= lr*sign(u). Momentum is kept
     (the anchor's R == 1 path dropped it)."""
-    p = _param(8, 8)
+    p = _param(8, 8, device=device)
     start = p.detach().clone()
     optimizer = DeMoSGD([p], lr=0.01, momentum=0.9, compression=1 / 16, chunk=4)
     dct = ChunkedDCT(4)
-    delta = torch.zeros(8, 8)
+    delta = torch.zeros(8, 8, device=device)
     expected = start.clone()
     for step in range(3):
-        grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + step))
+        grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + step)).to(device)
         p.grad = grad.clone()
         optimizer.step()
         delta = 0.9 * delta + 0.01 * grad
@@ -47,16 +52,16 @@ def test_demo_sgd_single_replica_matches_hand_computation() -> None:
         delta = delta - update
         expected = expected - 0.01 * torch.sign(update)
     assert torch.allclose(p.detach(), expected, atol=1e-7)
-    assert torch.allclose(optimizer.state[p]["delta"], delta, atol=1e-7)
+    assert torch.allclose(optimizer.state[p]["delta"], delta, atol=1e-7)  # state lives on the parameter's device
     assert optimizer.state[p]["delta"].abs().sum() > 0
 
 
-def test_full_decoupled_adamw_equals_torch_adamw_single_process() -> None:
-    ours, theirs = _param(5, 3), _param(5, 3)
+def test_full_decoupled_adamw_equals_torch_adamw_single_process(device: torch.device) -> None:
+    ours, theirs = _param(5, 3, device=device), _param(5, 3, device=device)
     optimizer = DecoupledAdamW([ours], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     reference = torch.optim.AdamW([theirs], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     for step in range(10):
-        grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(step))
+        grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(step)).to(device)
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         optimizer.step()
         reference.step()
@@ -71,13 +76,13 @@ def test_defaults() -> None:
     assert DecoupledAdamW([p], replicator="random", compression=0.5).replicator.compression == 0.5
 
 
-def test_bf16_params_keep_fp32_state() -> None:
-    p = _param(6, 5, dtype=torch.bfloat16)
+def test_bf16_params_keep_fp32_state(device: torch.device) -> None:
+    p = _param(6, 5, dtype=torch.bfloat16, device=device)
     for optimizer in (DeMoSGD([p], replicator="demo", chunk=4), DecoupledAdamW([p], replicator="random")):
-        p.grad = torch.randn(6, 5).to(torch.bfloat16)
+        p.grad = torch.randn(6, 5).to(device=device, dtype=torch.bfloat16)
         optimizer.step()
         assert p.dtype == torch.bfloat16
-        assert all(v.dtype == torch.float32 for v in optimizer.state[p].values() if v.dim())
+        assert all(v.dtype == torch.float32 and v.device == device for v in optimizer.state[p].values() if v.dim())
         restored = type(optimizer)([p], replicator=optimizer.replicator.name)
         restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         assert all(v.dtype == torch.float32 for v in restored.state[p].values() if v.dim())  # torch would cast
@@ -98,8 +103,8 @@ def test_state_dict_carries_replicator_state() -> None:
         DecoupledAdamW([p, _param(2)], replicator="diloco").load_state_dict(state)
 
 
-def test_closure_and_missing_gradients() -> None:
-    used, unused = _param(3, 3), _param(2)
+def test_closure_and_missing_gradients(device: torch.device) -> None:
+    used, unused = _param(3, 3, device=device), _param(2, device=device)
     optimizer = DeMoSGD([used, unused], lr=0.1, compression=0.5)
 
     def closure() -> torch.Tensor:

@@ -106,58 +106,66 @@ def test_random_draws_differ_per_step_cycle_and_parameter() -> None:
 
 
 @pytest.mark.parametrize("name", ["random", "striding"])
-def test_scheduled_replicator_sends_exactly_the_selected_coordinates(name: str) -> None:
+def test_scheduled_replicator_sends_exactly_the_selected_coordinates(name: str, device: torch.device) -> None:
     replicator = build_replicator(name, 0.25)
-    source = torch.randn(5, 4)
+    source = torch.randn(5, 4).to(device)
     before = source.clone()
     piece = replicator.encode(0, source)
     combined = replicator.finish(replicator.launch([piece]))[0]
+    assert combined.device == device
     sent = combined != 0
     assert sent.sum().item() == 5
     assert torch.equal(combined[sent], before[sent])  # one replica: the mean is its own value
-    assert torch.equal(source[sent], torch.zeros(5)) and torch.equal(source[~sent], before[~sent])  # error feedback
+    zeros = torch.zeros(5, device=device)
+    assert torch.equal(source[sent], zeros) and torch.equal(source[~sent], before[~sent])  # error feedback
 
 
 # --------------------------------------------------------------------------------------- error feedback / decode
 @pytest.mark.parametrize("values", ["fp32", "bf16", "sign", "ternary"])
 @pytest.mark.parametrize("name", ["demo", "topk"])
-def test_error_feedback_identity(name: str, values: str) -> None:
+def test_error_feedback_identity(name: str, values: str, device: torch.device) -> None:
     """before == after + decode(own payload): what left the buffer is exactly what receivers decode."""
     replicator = build_replicator(name, 1 / 8, chunk=4, values=values)
-    source = torch.randn(9, 7, generator=torch.Generator().manual_seed(0))
+    source = torch.randn(9, 7, generator=torch.Generator().manual_seed(0)).to(device)
     before = source.clone()
     piece = replicator.encode(0, source)
     assert piece.wire.numel() == replicator.payload_bytes([source.shape])
+    assert piece.wire.dtype == torch.uint8 and piece.wire.device == device  # packed bytes: NCCL and gloo move uint8
     combined = replicator.finish(replicator.launch([piece]))[0]
+    assert combined.device == device
     assert torch.allclose(source + combined, before, atol=1e-6)
     assert not torch.allclose(source, before)
 
 
-def test_demo_sends_the_largest_dct_coefficients() -> None:
+def test_demo_sends_the_largest_dct_coefficients(device: torch.device) -> None:
     replicator = build_replicator("demo", 1 / 16, chunk=4)  # one of 16 coefficients per 4 x 4 block
-    block = torch.ones(4, 4)  # all energy in the DC coefficient
+    block = torch.ones(4, 4, device=device)  # all energy in the DC coefficient
     combined = replicator.finish(replicator.launch([replicator.encode(0, block.clone())]))[0]
     assert torch.allclose(combined, block, atol=1e-6)
 
 
-def test_combine_mean_versus_pickers() -> None:
+def test_combine_mean_versus_pickers(device: torch.device) -> None:
     """Two ranks, hand-made payloads: an index picked by both averages, one picked by one rank is halved (mean)
     or kept (pickers)."""
     for combine, expected in (("mean", [2.0, 2.5, 0.5]), ("pickers", [2.0, 5.0, 1.0])):
         replicator = build_replicator("topk", 0.5, chunk=2, combine=combine)  # FlatChunks: no transform
         replicator.num_replicas = 2
-        rank0 = replicator.encode(0, torch.tensor([1.0, 5.0, 0.0, 0.0]))  # sends indices 0, 1 (values 1, 5)
-        rank1 = replicator.encode(0, torch.tensor([3.0, 0.0, 1.0, 0.0]))  # sends indices 0, 2 (values 3, 1)
+        rank0 = replicator.encode(0, torch.tensor([1.0, 5.0, 0.0, 0.0], device=device))  # sends indices 0, 1 (1, 5)
+        rank1 = replicator.encode(0, torch.tensor([3.0, 0.0, 1.0, 0.0], device=device))  # sends indices 0, 2 (3, 1)
         combined = replicator.decode_gathered(rank0, [rank0.wire, rank1.wire])
         assert combined[:3].tolist() == expected, combine
 
 
-def test_empty_and_scalar_shards() -> None:
+def test_empty_and_scalar_shards(device: torch.device) -> None:
     for name in REPLICATORS:
         replicator = build_replicator(name, 0.5)
-        pieces = [replicator.encode(0, torch.zeros(0, 3)), replicator.encode(1, torch.ones(()))]
+        pieces = [
+            replicator.encode(0, torch.zeros(0, 3, device=device)),
+            replicator.encode(1, torch.ones((), device=device)),
+        ]
         combined = replicator.finish(replicator.launch(pieces))
         assert combined[0].shape == (0, 3) and combined[1].shape == ()
+        assert all(tensor.device == device for tensor in combined), name
         assert replicator.payload_bytes([(0, 3)]) == 0
 
 

@@ -24,10 +24,12 @@ def _reference_blocks(x: np.ndarray, chunk: int) -> np.ndarray:
     return np.stack(out)
 
 
-def test_basis_matches_scipy() -> None:
+def test_basis_matches_scipy(device: torch.device) -> None:
     for size in (1, 2, 7, 64):
         reference = scipy.fft.dct(np.eye(size), norm="ortho", axis=0)
-        assert np.allclose(dct_basis(size).double().numpy(), reference, atol=1e-6)
+        basis = dct_basis(size, device)
+        assert basis.device == device
+        assert np.allclose(basis.double().cpu().numpy(), reference, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -44,40 +46,43 @@ def test_basis_matches_scipy() -> None:
     ],
 )
 def test_encode_matches_scipy_and_round_trips(
-    shape: tuple[int, ...], chunk: int, blocks: int, block_numel: int
+    shape: tuple[int, ...], chunk: int, blocks: int, block_numel: int, device: torch.device
 ) -> None:
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape) + chunk))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape) + chunk)).to(device)
     dct = ChunkedDCT(chunk)
     coefficients = dct.encode(x)
     assert coefficients.shape == (blocks, block_numel) and coefficients.dtype == torch.float32
-    reference = _reference_blocks(x.double().numpy().reshape(shape if shape else (1,)), chunk)
-    assert np.allclose(coefficients.double().numpy(), reference, atol=1e-5)
+    assert coefficients.device == x.device
+    reference = _reference_blocks(x.double().cpu().numpy().reshape(shape if shape else (1,)), chunk)
+    assert np.allclose(coefficients.double().cpu().numpy(), reference, atol=1e-5)
     decoded = dct.decode(coefficients, shape)
-    assert decoded.shape == x.shape
+    assert decoded.shape == x.shape and decoded.device == x.device
     assert torch.allclose(decoded, x, atol=1e-5)
 
 
-def test_empty_shards_have_no_blocks() -> None:
+def test_empty_shards_have_no_blocks(device: torch.device) -> None:
     dct = ChunkedDCT(64)
     for shape in ((0,), (0, 16), (16, 0), (0, 3, 4)):
-        coefficients = dct.encode(torch.zeros(shape))
+        coefficients = dct.encode(torch.zeros(shape, device=device))
         assert coefficients.numel() == 0 and dct.layout(shape).n_blocks == 0
-        assert dct.decode(coefficients, shape).shape == shape
+        decoded = dct.decode(coefficients, shape)
+        assert decoded.shape == shape and decoded.device == device
 
 
-def test_bf16_input_uses_fp32_bases() -> None:
-    x = torch.randn(96, 80, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+def test_bf16_input_uses_fp32_bases(device: torch.device) -> None:
+    x = torch.randn(96, 80, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.bfloat16)
     dct = ChunkedDCT(32)
     coefficients = dct.encode(x)
     assert coefficients.dtype == torch.float32
     error = (dct.decode(coefficients, x.shape) - x.float()).abs().max().item()
     assert error < 1e-5  # the anchors' bf16 bases give ~5e-3
     assert all(basis.dtype == torch.float32 for basis in dct._bases.values())
-    assert set(dct._bases) == {(32, "cpu")}  # cached per (size, device)
+    assert set(dct._bases) == {(32, str(x.device))}  # cached per (size, device)
+    assert all(basis.device == x.device for basis in dct._bases.values())
 
 
-def test_flat_chunks_are_identity_blocks() -> None:
-    x = torch.arange(10.0).reshape(2, 5)
+def test_flat_chunks_are_identity_blocks(device: torch.device) -> None:
+    x = torch.arange(10.0, device=device).reshape(2, 5)
     chunks = FlatChunks(4)
     encoded = chunks.encode(x)
     assert encoded.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 0]]

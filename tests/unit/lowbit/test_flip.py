@@ -27,17 +27,17 @@ def _layer(codes: list[int], grad: list[float], kind: str = "ternary") -> Ternar
     return layer
 
 
-def test_ternary_moves_one_step_and_respects_saturation() -> None:
-    codes = torch.tensor([-1, 0, 1, 1, -1, 0, 1], dtype=torch.int8)
-    direction = torch.tensor([1, 1, 1, -1, -1, -1, 0], dtype=torch.int8)
+def test_ternary_moves_one_step_and_respects_saturation(device: torch.device) -> None:
+    codes = torch.tensor([-1, 0, 1, 1, -1, 0, 1], dtype=torch.int8, device=device)
+    direction = torch.tensor([1, 1, 1, -1, -1, -1, 0], dtype=torch.int8, device=device)
     assert move_allowed(codes, direction).tolist() == [True, True, False, True, False, True, False]
     apply_moves(codes, direction, "ternary")
     assert codes.tolist() == [0, 1, 1, 0, -1, -1, 1]
 
 
-def test_binary_flips_sign_only_towards_direction() -> None:
-    codes = torch.tensor([-1, 1, 1, -1], dtype=torch.int8)
-    apply_moves(codes, torch.tensor([1, 1, -1, -1], dtype=torch.int8), "binary")
+def test_binary_flips_sign_only_towards_direction(device: torch.device) -> None:
+    codes = torch.tensor([-1, 1, 1, -1], dtype=torch.int8, device=device)
+    apply_moves(codes, torch.tensor([1, 1, -1, -1], dtype=torch.int8, device=device), "binary")
     assert codes.tolist() == [1, 1, -1, -1]
 
 

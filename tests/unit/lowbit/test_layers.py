@@ -26,16 +26,18 @@ def _tiny() -> nn.Sequential:
 @pytest.mark.parametrize("mode", ["ste", "flip"])
 @pytest.mark.parametrize("kind", ["ternary", "binary"])
 @pytest.mark.parametrize("granularity", ["layer", "row"])
-def test_convert_sequential_matches_quantized_reference(mode: str, kind: str, granularity: str) -> None:
-    dense = _tiny()
-    x = torch.randn(2, 1, 4, 4)
+def test_convert_sequential_matches_quantized_reference(
+    mode: str, kind: str, granularity: str, device: torch.device
+) -> None:
+    dense = _tiny().to(device)
+    x = torch.randn(2, 1, 4, 4).to(device)
     reference = {}
     for i in (0, 3):
         codes, scale = quantize(dense[i].weight, kind, granularity)
         reference[i] = dequantize(codes, scale)
     hidden = torch.flatten(torch.relu(nn.functional.conv2d(x, reference[0], dense[0].bias, padding=1)), 1)
     expected = nn.functional.linear(hidden, reference[3], dense[3].bias)
-    model = convert_model(_tiny(), kind, mode, granularity)
+    model = convert_model(_tiny(), kind, mode, granularity).to(device)
     assert isinstance(model[0], LowBitConv2d) and isinstance(model[3], LowBitLinear)
     assert model[0].kind == kind and model[3].mode == mode
     assert torch.allclose(model(x), expected, atol=1e-6)
@@ -47,12 +49,13 @@ def test_convert_sequential_matches_quantized_reference(mode: str, kind: str, gr
         assert "3.weight" in names
 
 
-def test_flip_mode_backward_stores_code_grad() -> None:
-    layer = TernaryLinear(3, 2, bias=False, mode="flip", granularity="row")
+def test_flip_mode_backward_stores_code_grad(device: torch.device) -> None:
+    layer = TernaryLinear(3, 2, bias=False, mode="flip", granularity="row").to(device)
     w = dequantize(layer.codes, layer.scale).clone().requires_grad_(True)
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3).to(device)
     (x @ w.T).pow(2).sum().backward()
     layer(x).pow(2).sum().backward()
+    assert layer.code_grad.device == device
     assert torch.allclose(layer.code_grad, w.grad * layer.scale)  # dL/dcodes = scale * dL/dW
     layer(x).pow(2).sum().backward()  # accumulates like .grad
     assert torch.allclose(layer.code_grad, 2 * w.grad * layer.scale)

@@ -24,19 +24,23 @@ LENGTHS = [0, 1, 3, 4, 5, 7, 8, 9, 63, 64, 65, 1001]
 
 
 @pytest.mark.parametrize("count", LENGTHS)
-def test_ternary_round_trips(count: int) -> None:
+def test_ternary_round_trips(count: int, device: torch.device) -> None:
     codes = torch.randint(-1, 2, (count,), generator=torch.Generator().manual_seed(count)).to(torch.int8)
-    two = pack_ternary_2bit(codes)
+    # Packing is host-side (checkpoints): device codes pack to CPU bytes; device bytes unpack on their device.
+    two = pack_ternary_2bit(codes.to(device))
     assert two.numel() == (count + 3) // 4 and torch.equal(unpack_ternary_2bit(two, count), codes)
-    three = pack_ternary_base3(codes)
+    assert torch.equal(unpack_ternary_2bit(two.to(device), count).cpu(), codes)
+    three = pack_ternary_base3(codes.to(device))
     assert three.numel() == (count + 4) // 5 and torch.equal(unpack_ternary_base3(three, count), codes)
+    assert torch.equal(unpack_ternary_base3(three.to(device), count).cpu(), codes)
 
 
 @pytest.mark.parametrize("count", LENGTHS)
-def test_binary_round_trip(count: int) -> None:
+def test_binary_round_trip(count: int, device: torch.device) -> None:
     codes = (torch.randint(0, 2, (count,), generator=torch.Generator().manual_seed(count)) * 2 - 1).to(torch.int8)
-    packed = pack_binary(codes)
+    packed = pack_binary(codes.to(device))
     assert packed.numel() == (count + 7) // 8 and torch.equal(unpack_binary(packed, count), codes)
+    assert torch.equal(unpack_binary(packed.to(device), count).cpu(), codes)
 
 
 def test_layouts_by_hand() -> None:
@@ -60,10 +64,10 @@ def test_unpack_rejects_corruption() -> None:
         pack_ternary_2bit(torch.tensor([2]))
 
 
-def test_popcount() -> None:
-    words = torch.tensor([0, 1, 255, -1, 2**62 + 5], dtype=torch.int64)
+def test_popcount(device: torch.device) -> None:
+    words = torch.tensor([0, 1, 255, -1, 2**62 + 5], dtype=torch.int64, device=device)
     assert popcount(words).tolist() == [0, 1, 8, 64, 3]
-    assert popcount(torch.tensor([0b1011], dtype=torch.uint8)).tolist() == [3]
+    assert popcount(torch.tensor([0b1011], dtype=torch.uint8, device=device)).tolist() == [3]
 
 
 @pytest.mark.parametrize("k", [1, 7, 64, 65, 200])

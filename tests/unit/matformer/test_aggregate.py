@@ -14,16 +14,18 @@ from lightning_hetero.matformer.types import FFNParameter
 UP = FFNParameter("up", 0, 8, 0)
 
 
-def _grads() -> dict[str, torch.Tensor]:
-    return {"up": torch.tensor([[1.5], [-2.0], [0.0], [3.0], [0.0], [1.0], [-1.0], [2.0]]), "norm": torch.zeros(2)}
+def _grads(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    up = torch.tensor([[1.5], [-2.0], [0.0], [3.0], [0.0], [1.0], [-1.0], [2.0]], device=device)
+    return {"up": up, "norm": torch.zeros(2, device=device)}
 
 
-def test_world_of_one_mean_is_identity_and_sign_keeps_zeros() -> None:
+def test_world_of_one_mean_is_identity_and_sign_keeps_zeros(device: torch.device) -> None:
     groups, ledger = RegionGroups(widths_for([0], 8)), ByteLedger()
-    grads = _grads()
+    grads = _grads(device)
     aggregate_gradients(grads, [UP], groups, ledger=ledger)
-    assert torch.equal(grads["up"], _grads()["up"]) and ledger.totals().calls == 0  # nothing to exchange
+    assert torch.equal(grads["up"], _grads(device)["up"]) and ledger.totals().calls == 0  # nothing to exchange
     aggregate_gradients(grads, [UP], groups, "sign", tier_weights={0: 3.0})
+    assert grads["up"].device == device
     assert grads["up"].flatten().tolist() == [1, -1, 0, 1, 0, 1, -1, 1] and grads["norm"].tolist() == [0, 0]
 
 
@@ -32,13 +34,13 @@ def test_bad_modes() -> None:
         aggregate_gradients(_grads(), [UP], widths_for([0], 8), "avg")
 
 
-def test_demo_in_a_world_of_one_is_exact_and_keeps_no_state() -> None:
+def test_demo_in_a_world_of_one_is_exact_and_keeps_no_state(device: torch.device) -> None:
     groups = RegionGroups(widths_for([0], 8))
     exchange = CompressedExchange(groups, 1 / 8)
-    grads = _grads()
+    grads = _grads(device)
     with get_ledger().capture() as seen:
         aggregate_gradients(grads, [UP], groups, "demo", exchange=exchange)
-    assert torch.equal(grads["up"], _grads()["up"]) and seen.totals().calls == 0  # a single member: nothing sent
+    assert torch.equal(grads["up"], _grads(device)["up"]) and seen.totals().calls == 0  # a single member: nothing sent
     assert exchange.errors == {} and exchange.replicators == {}
 
 

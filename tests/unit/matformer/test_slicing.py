@@ -25,24 +25,24 @@ TOL = {"atol": 1e-6, "rtol": 0.0}
 NAMES = list(FAMILIES)
 
 
-def _inputs(name: str) -> dict[str, torch.Tensor]:
-    return FAMILIES[name].inputs(torch.Generator().manual_seed(1))
+def _inputs(name: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) for key, value in FAMILIES[name].inputs(torch.Generator().manual_seed(1)).items()}
 
 
 def _loss(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     # A fixed random projection of the output, so every output element contributes a distinct gradient.
     out = logits(model, inputs)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype).to(out.device)
     return (out * weight).sum()
 
 
 @pytest.mark.parametrize("tier", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
-def test_tier_forward_equals_a_dense_model_of_that_size(name: str, tier: int) -> None:
+def test_tier_forward_equals_a_dense_model_of_that_size(name: str, tier: int, device: torch.device) -> None:
     family = FAMILIES[name]
-    full = family.build()
-    inputs = _inputs(name)
-    expected = logits(dense_reference(family, full, H >> tier), inputs)
+    full = family.build().to(device)
+    inputs = _inputs(name, device)
+    expected = logits(dense_reference(family, full, H >> tier).to(device), inputs)
     with torch.no_grad():
         full_out = logits(full, inputs)
         with tier_view(full, tier):
@@ -70,12 +70,12 @@ def test_slice_model_parameter_count_shrinks_analytically(name: str) -> None:
 
 @pytest.mark.parametrize("tier", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
-def test_tier_view_gradients_suffix_zero_prefix_equals_dense(name: str, tier: int) -> None:
+def test_tier_view_gradients_suffix_zero_prefix_equals_dense(name: str, tier: int, device: torch.device) -> None:
     family = FAMILIES[name]
-    full = family.build()
+    full = family.build().to(device)
     width = H >> tier
-    dense = dense_reference(family, full, width)
-    inputs = _inputs(name)
+    dense = dense_reference(family, full, width).to(device)
+    inputs = _inputs(name, device)
     _loss(dense, inputs).backward()
     with tier_view(full, tier):
         _loss(full, inputs).backward()
@@ -237,11 +237,12 @@ def test_scatter_trained_prefix_back_into_full_weights() -> None:
         torch.testing.assert_close(suffix, before[spec.name].narrow(spec.axis, 16, 16), atol=0, rtol=0)
 
 
-def test_embed_and_pad_prefix() -> None:
-    full = torch.arange(12.0).reshape(3, 4)
-    embed_prefix(full, -torch.ones(3, 2), axis=1)
+def test_embed_and_pad_prefix(device: torch.device) -> None:
+    full = torch.arange(12.0, device=device).reshape(3, 4)
+    embed_prefix(full, -torch.ones(3, 2, device=device), axis=1)
     assert full.tolist() == [[-1, -1, 2, 3], [-1, -1, 6, 7], [-1, -1, 10, 11]]
-    padded = pad_prefix(torch.ones(2, 3), 4, axis=0)
+    padded = pad_prefix(torch.ones(2, 3, device=device), 4, axis=0)
+    assert padded.device == device
     assert padded.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]]
     with pytest.raises(ValueError, match="other axes must match"):
         embed_prefix(torch.zeros(3, 4), torch.zeros(2, 2), axis=1)

@@ -14,26 +14,27 @@ from tests.unit.subspace._tiny import chain_with_messages, fresh, relative_error
 B, S = 3, 5
 
 
-def _values(width: int) -> torch.Tensor:
-    return torch.randn(B, S, width, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, S)[:, None]
+def _values(width: int, device: torch.device | None = None) -> torch.Tensor:
+    values = torch.randn(B, S, width, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, S)[:, None]
+    return values.to(device)
 
 
 @pytest.mark.parametrize("width", [8, 10])
-def test_bytes_and_shapes(width: int) -> None:
+def test_bytes_and_shapes(width: int, device: torch.device) -> None:
     assert BoundaryCodec("fp32", width).wire_bytes(B, S) == B * S * width * 4
     assert BoundaryCodec("bf16", width).wire_bytes(B, S) == B * S * width * 2
     int8 = BoundaryCodec("int8", width)
     assert int8.wire_bytes(B, S) == B * S * (4 * math.ceil(width / 4) + 4)  # int8 payload (padded) + fp32 scale
     for name in ("fp32", "bf16", "int8"):
         codec = BoundaryCodec(name, width)
-        wire = codec.encode(_values(width))
-        assert wire.shape == codec.wire_shape(B, S) and wire.dtype == codec.wire_dtype
+        wire = codec.encode(_values(width, device))
+        assert wire.shape == codec.wire_shape(B, S) and wire.dtype == codec.wire_dtype and wire.device == device
         assert wire.numel() * wire.element_size() == codec.wire_bytes(B, S)
 
 
 @pytest.mark.parametrize("width", [8, 10])
-def test_round_trip_error_bounds(width: int) -> None:
-    values = _values(width)
+def test_round_trip_error_bounds(width: int, device: torch.device) -> None:
+    values = _values(width, device)
     assert torch.equal(
         BoundaryCodec("fp32", width).decode(BoundaryCodec("fp32", width).encode(values), torch.float32), values
     )
@@ -47,9 +48,11 @@ def test_round_trip_error_bounds(width: int) -> None:
     assert (decoded - values).abs().max() > 0  # it is lossy
 
 
-def test_int8_packing_survives_nan_bit_patterns_and_zeros() -> None:
-    values = torch.zeros(2, 4, 8)
-    values[0, 0] = torch.tensor([127.0, 127, 127, 127, -1, -1, -1, -1])  # bytes 0x7f7f7f7f / 0xffffffff (NaN bits)
+def test_int8_packing_survives_nan_bit_patterns_and_zeros(device: torch.device) -> None:
+    values = torch.zeros(2, 4, 8, device=device)
+    values[0, 0] = torch.tensor(
+        [127.0, 127, 127, 127, -1, -1, -1, -1], device=device
+    )  # bytes 0x7f7f7f7f / 0xffffffff (NaN bits)
     container = pack_int8(values)
     assert torch.isnan(container).any()
     assert torch.equal(unpack_int8(container.clone(), 8), values)
