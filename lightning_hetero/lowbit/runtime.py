@@ -266,8 +266,8 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
         if self.code_residual is not None:
             grad = grad + self.code_residual
         finite = torch.tensor([float(bool(torch.isfinite(grad).all()))])
-        if world_size > 1:
-            comm.all_reduce(finite, "min", label=comm.INTER)
+        if world_size > 1:  # a CPU flag: over the exchange's gloo group (an NCCL world refuses CPU tensors)
+            comm.all_reduce(finite, "min", label=comm.INTER, group=self.exchange.group)
         if not bool(finite[0]):
             message = f"{self.owner}: a non-finite code gradient at step {self.steps} (on at least one rank)"
             if self.on_nonfinite == "raise":

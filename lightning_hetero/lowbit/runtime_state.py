@@ -47,13 +47,14 @@ class SparseFlipStateMixin:
             return None
         rank, world_size = process_rank_and_size()
         entry: dict[str, Any] = {"steps": self.steps, "rule": self._rule_state_on_rank_zero(world_size)}
+        group = self.exchange.group  # the CPU (gloo) group: these tensors live on the CPU, NCCL refuses them
         if self.fp_sync is not None:
-            entry["residuals"] = _gather_to_every_rank(self.fp_sync.residual, world_size)
+            entry["residuals"] = _gather_to_every_rank(self.fp_sync.residual, world_size, group)
         if self.local_bop is not None:
-            entry["local_momenta"] = _gather_to_every_rank(self.local_bop.momentum, world_size)
+            entry["local_momenta"] = _gather_to_every_rank(self.local_bop.momentum, world_size, group)
         if self.error_feedback and self.layout is not None:
             residual = self.code_residual if self.code_residual is not None else torch.zeros(self.layout.numel)
-            entry["code_residuals"] = _gather_to_every_rank(residual, world_size)
+            entry["code_residuals"] = _gather_to_every_rank(residual, world_size, group)
         return entry
 
     def _rule_state_on_rank_zero(self, world_size: int) -> dict[str, Tensor]:
@@ -62,7 +63,7 @@ class SparseFlipStateMixin:
         if world_size == 1 or decider == 0:
             return state
         for value in state.values():  # only the server's momenta are current: hand them to rank 0
-            comm.broadcast(value, decider, label=CHECKPOINT_LABEL)
+            comm.broadcast(value, decider, label=CHECKPOINT_LABEL, group=self.exchange.group)  # CPU: the gloo group
         return state
 
     def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
@@ -104,10 +105,11 @@ class SparseFlipStateMixin:
         }
 
 
-def _gather_to_every_rank(tensor: Tensor, world_size: int) -> list[Tensor]:
-    """Every rank's copy of a same-sized CPU tensor, in rank order (collective; label ``"checkpoint"``)."""
+def _gather_to_every_rank(tensor: Tensor, world_size: int, group: Any = None) -> list[Tensor]:
+    """Every rank's copy of a same-sized CPU tensor, in rank order (collective over ``group``, a CPU-capable group
+    spanning the world: the default one under gloo, the exchange's gloo group under NCCL; label ``"checkpoint"``)."""
     if world_size == 1:
         return [tensor.clone()]
     gathered = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype)
-    comm.all_gather_into_tensor(gathered, tensor.contiguous(), label=CHECKPOINT_LABEL)
+    comm.all_gather_into_tensor(gathered, tensor.contiguous(), label=CHECKPOINT_LABEL, group=group)
     return list(gathered.view(world_size, -1).clone().unbind(0))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER, ByteLedger
+from lightning_hetero.comm.devices import collective_device
 from lightning_hetero.matformer.helper_ranks import HelperConfig, validate_helpers
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.regions import Region, layer_regions
@@ -91,7 +92,8 @@ class RegionGroups:
     def _verify(self, ledger: ByteLedger | None) -> None:
         digest = hashlib.sha256(repr((self.layout, sorted(self.helpers.items()))).encode()).digest()
         fingerprint = int.from_bytes(digest[:7], "little")
-        both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64)
+        # On the backend's device: under NCCL a CPU tensor would fail before any rank could compare fingerprints.
+        both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=collective_device())
         comm.all_reduce(both, "max", label=self.label, ledger=ledger)
         if both.tolist() != [fingerprint, -fingerprint]:
             raise ValueError(

@@ -6,7 +6,10 @@
 - the first rank that raises stops the run at once: the parent terminates every other rank instead of waiting for
   gloo's own timeout, and re-raises as :class:`DistributedRankError` with the failing rank's full traceback;
 - a run that outlives ``timeout`` is killed and reported as :class:`TimeoutError` naming the unfinished ranks;
-- the parent kills and joins every child in a ``finally``, so success, failure, timeout and Ctrl-C leave no orphans.
+- the parent kills and joins every child in a ``finally``, so success, failure, timeout and Ctrl-C leave no orphans;
+- ``backend="nccl"`` (or a per-device string such as ``"cpu:gloo,cuda:nccl"``) pins rank ``r`` to GPU
+  ``r % device_count`` before the group starts, and refuses up front (:class:`NotEnoughGPUsError`) when there are fewer
+  GPUs than ranks: NCCL forbids two ranks on one GPU. Tests skip with :func:`nccl_unavailable_reason`.
 
 ``fn`` must be picklable (a module-level function), and so must its arguments and its return value.
 """
@@ -24,7 +27,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedRankError", "find_free_port", "run_distributed"]
+__all__ = ["DistributedRankError", "NotEnoughGPUsError", "find_free_port", "nccl_unavailable_reason", "run_distributed"]
 
 _POLL_SECONDS = 0.05
 _TERMINATE_GRACE_SECONDS = 3.0
@@ -38,6 +41,35 @@ class DistributedRankError(RuntimeError):
         self.rank = rank
         self.details = details
         super().__init__(f"rank {rank} failed:\n{details}")
+
+
+class NotEnoughGPUsError(RuntimeError):
+    """:func:`run_distributed` was asked for NCCL ranks that this machine cannot place one per GPU."""
+
+
+def _uses_nccl(backend: str) -> bool:
+    return "nccl" in backend.lower()
+
+
+def nccl_unavailable_reason(world_size: int) -> str | None:
+    """Why ``world_size`` NCCL ranks cannot run here (no CUDA, or fewer GPUs than ranks), or None when they can.
+
+    Example (a test that needs two GPUs):
+        >>> reason = nccl_unavailable_reason(2)
+        >>> if reason:  # doctest: +SKIP
+        ...     pytest.skip(reason)
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"backend='nccl' needs CUDA, but torch.cuda.is_available() is False (wanted {world_size} GPU ranks)."
+    count = torch.cuda.device_count()
+    if count < world_size:
+        return (
+            f"backend='nccl' needs one GPU per rank (NCCL forbids two ranks on one GPU): world_size={world_size}, but"
+            f" only {count} GPU(s) are visible. Use backend='gloo', or world_size <= {count}."
+        )
+    return None
 
 
 def find_free_port() -> int:
@@ -77,6 +109,8 @@ def _worker(
 
     try:
         torch.set_num_threads(1)  # the env var alone is too late: torch was imported while unpickling this target
+        if _uses_nccl(backend):
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # before the group: NCCL binds to this device
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         message = ("ok", rank, pickle.dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException:
@@ -119,7 +153,8 @@ def run_distributed(
         fn: Picklable (module-level) function; its return value must be picklable too.
         world_size: Number of ranks to spawn.
         *args: Positional arguments passed to ``fn`` after ``rank, world_size``.
-        backend: ``torch.distributed`` backend.
+        backend: ``torch.distributed`` backend: ``"gloo"``, or ``"nccl"`` with one visible GPU per rank (rank ``r`` uses
+            ``cuda:r % device_count``).
         timeout: Wall-clock seconds for the whole run, process start-up included; also the process group timeout.
         env: Extra environment variables for the children (applied after the defaults, so they win).
         **kwargs: Keyword arguments passed to ``fn`` (``backend``, ``timeout`` and ``env`` are taken by this function).
@@ -130,9 +165,14 @@ def run_distributed(
     Raises:
         DistributedRankError: A rank raised, or exited without reporting; the message has its rank and traceback.
         TimeoutError: Some ranks had not finished after ``timeout`` seconds; the message names them.
+        NotEnoughGPUsError: An NCCL backend without CUDA or with fewer GPUs than ranks (raised before spawning).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if _uses_nccl(backend):
+        reason = nccl_unavailable_reason(world_size)
+        if reason is not None:
+            raise NotEnoughGPUsError(reason)
     context = mp.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
