@@ -13,6 +13,14 @@ Wire format of one message (per training step and boundary):
 - **asynchronous** mode: a 64-byte header before every payload (the step that produced the batch, the batch size and
   the per-sample shape), because the receiver may be training on another step than the sender's.
 
+A header is ``[step, batch, codec, ndim, *sample_shape]`` (int64, padded with -1). Nothing a peer sends is trusted
+(docs/reliability.md): the receiver compares the header with what it knows locally (its own batch size, its codec,
+the per-sample shape its :class:`~lightning_hetero.layerwise.stack.BlockStack` infers, the steps it can expect)
+*before* it allocates the payload buffer, and refuses non-finite activations (or a bad int8 scale) before decoding.
+Both raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the peer. A bad header always raises
+(the stream cannot be resynchronised); bad activations in asynchronous mode honour ``on_bad_payload="drop"``: the
+message is left out (logged, counted in :attr:`ActivationLink.dropped_payloads`) and the stage replays older ones.
+
 Labels and attention masks never travel: every stage reads them from its own copy of the batch (asynchronous mode
 keeps its recent batches in a :class:`~lightning_hetero.layerwise.replay.BatchRing`). Nothing here imports Lightning.
 """
@@ -20,20 +28,48 @@ keeps its recent batches in a :class:`~lightning_hetero.layerwise.replay.BatchRi
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_hetero import comm
+from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
 from lightning_hetero.subspace.codec import BoundaryCodec
 
-__all__ = ["HEADER_LENGTH", "ActivationLink", "batch_signature", "header_bytes"]
+__all__ = [
+    "HEADER_LENGTH",
+    "MAX_MESSAGE_ELEMENTS",
+    "ActivationLink",
+    "Expectation",
+    "bad_payload_policy",
+    "batch_signature",
+    "header_bytes",
+]
 
 HEADER_LENGTH = 8
-"""int64 entries of a header: ``[step, batch, ndim, *sample_shape]`` padded with -1 (at most 5 sample dims)."""
-_MAX_SAMPLE_DIMS = HEADER_LENGTH - 3
+"""int64 entries of a header: ``[step, batch, codec, ndim, *sample_shape]`` padded with -1 (at most 4 sample dims)."""
+_FIXED_FIELDS = 4
+_MAX_SAMPLE_DIMS = HEADER_LENGTH - _FIXED_FIELDS
+_CODEC_CODES = {"fp32": 0, "bf16": 1, "int8": 2}
+MAX_MESSAGE_ELEMENTS = 1 << 30
+"""Bound on ``batch * prod(sample_shape)`` of a header the receiver cannot compare with a locally known shape."""
+
+Expectation = tuple[int, tuple[int, ...]] | None
+"""What the receiver knows of a message: ``(batch_size, sample_shape)``, or None (only the bounds are checked)."""
+
+
+def bad_payload_policy(owner: str, value: object, asynchronous: bool) -> str:
+    """``on_bad_payload`` checked for an activation link: ``"drop"`` needs asynchronous mode (a replay buffer)."""
+    policy = validate_on_bad_payload(owner, value)
+    if policy == "drop" and not asynchronous:
+        raise ValueError(
+            f"{owner}(on_bad_payload='drop'): a synchronous stage needs the activations of its own step, so there is "
+            "nothing to replace dropped ones with; use mode='async' (older activations are replayed) or "
+            "on_bad_payload='raise'."
+        )
+    return policy
 
 
 def header_bytes() -> int:
@@ -64,6 +100,8 @@ class ActivationLink:
         max_in_flight: Sends that may be outstanding before :meth:`send` waits for the oldest (bounds the memory a
             fast sender spends on a slow link, and how far ahead of its receiver it can run).
         label: Ledger label.
+        on_bad_payload: ``"raise"`` (default) or ``"drop"``: what non-finite activations received in asynchronous
+            mode do (a bad header, and anything on a synchronous link, always raises).
     """
 
     def __init__(
@@ -74,11 +112,18 @@ class ActivationLink:
         asynchronous: bool = False,
         max_in_flight: int = 2,
         label: str = comm.PIPELINE,
+        on_bad_payload: str = "raise",
     ) -> None:
         BoundaryCodec(codec, 1)  # validates the name
         self.peer, self.codec_name, self.tag, self.asynchronous = peer, codec, tag, asynchronous
         self.max_in_flight = max(1, int(max_in_flight))
         self.label = label
+        self.on_bad_payload = bad_payload_policy("ActivationLink", on_bad_payload, asynchronous)
+        self.dropped_payloads = 0
+        """Messages left out under ``on_bad_payload="drop"``."""
+        self.last_error: PeerPayloadError | None = None
+        """The last refused message (raised, or dropped)."""
+        self._last_header: tuple[int, int] = (-1, 0)  # (message index, step): a peer's steps never decrease
         self._pending_sends: deque[list[tuple[Any, Tensor]]] = deque()
         self._sample_shapes: dict[tuple, tuple[int, ...]] = {}
         self._in_flight: dict[str, Any] | None = None  # asynchronous receive in progress
@@ -95,7 +140,8 @@ class ActivationLink:
         works: list[tuple[Any, Tensor]] = []
         if self.asynchronous or signature not in self._sample_shapes:
             self._sample_shapes[signature] = sample
-            works.append(self._start(self._header(step, values.shape[0], sample, values.device), self.tag + 1))
+            header = self._header(step, values.shape[0], self.codec_name, sample, values.device)
+            works.append(self._start(header, self.tag + 1))
         elif self._sample_shapes[signature] != sample:
             raise RuntimeError(
                 f"ActivationLink: batches of the same input shape gave activations of shapes "
@@ -120,48 +166,148 @@ class ActivationLink:
                 work.wait()
 
     @staticmethod
-    def _header(step: int, batch: int, sample: tuple[int, ...], device: torch.device) -> Tensor:
-        values = [step, batch, len(sample), *sample] + [-1] * (_MAX_SAMPLE_DIMS - len(sample))
+    def _header(step: int, batch: int, codec: str, sample: tuple[int, ...], device: torch.device) -> Tensor:
+        values = [step, batch, _CODEC_CODES[codec], len(sample), *sample] + [-1] * (_MAX_SAMPLE_DIMS - len(sample))
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     # ------------------------------------------------------------------------------------------------ receiver
-    def receive(self, batch_size: int, signature: tuple, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """Synchronous mode: block until the next activations arrive; returns them decoded to ``dtype``."""
+    def receive(
+        self,
+        batch_size: int,
+        signature: tuple,
+        device: torch.device,
+        dtype: torch.dtype,
+        expected_sample: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        """Synchronous mode: block until the next activations arrive; returns them decoded to ``dtype``.
+
+        ``expected_sample`` is the per-sample shape this stage infers for the batch (the header must announce it);
+        without it only the bounds are checked. Raises :class:`PeerPayloadError` for a bad header or bad values.
+        """
         if self.asynchronous:
             raise RuntimeError("ActivationLink.receive is the synchronous path; use poll/wait_next when asynchronous.")
         sample = self._sample_shapes.get(signature)
         if sample is None:
             header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=device)
             comm.recv(header, self.peer, label=self.label, tag=self.tag + 1)
-            _, sent_batch, sample = self._parse(header)
-            if sent_batch != batch_size:
-                raise RuntimeError(
-                    f"ActivationLink: the previous stage sent a batch of {sent_batch} samples, this stage read "
-                    f"{batch_size}. Every stage of a replica must read the same batches (same data loader and seed)."
-                )
+            _, _, sample = self.check_header(header, batch_size, expected_sample)
             self._sample_shapes[signature] = sample
         wire = self._wire_buffer(batch_size, sample, device)
         comm.recv(wire, self.peer, label=self.label, tag=self.tag)
         self.messages_received += 1
-        return BoundaryCodec(self.codec_name, sample[-1]).decode(wire, dtype)
+        return self.check_and_decode(wire, batch_size, sample, dtype)
 
-    @staticmethod
-    def _parse(header: Tensor) -> tuple[int, int, tuple[int, ...]]:
-        values = header.tolist()
-        ndim = int(values[2])
-        return int(values[0]), int(values[1]), tuple(int(v) for v in values[3 : 3 + ndim])
+    def _refuse(self, problem: str) -> PeerPayloadError:
+        self.last_error = PeerPayloadError(f"ActivationLink: activations from rank {self.peer} {problem}", self.peer)
+        return self.last_error
+
+    def check_header(
+        self, header: Tensor, batch_size: int | None = None, expected_sample: tuple[int, ...] | None = None
+    ) -> tuple[int, int, tuple[int, ...]]:
+        """``(step, batch, sample_shape)`` of a received header, checked before anything is allocated from it.
+
+        Args:
+            header: The :data:`HEADER_LENGTH` int64 values received.
+            batch_size: The batch size this stage read for that step (None: unknown, only bounded).
+            expected_sample: The per-sample shape this stage infers for that batch; the header must announce exactly
+                that. None: the sizes must be positive, with at most :data:`MAX_MESSAGE_ELEMENTS` elements in all.
+
+        Raises:
+            PeerPayloadError: wrong length or dtype, another codec, a malformed or oversized shape, a shape or batch
+                other than the expected one, or (asynchronous) a step that goes back or lies ahead of the messages.
+        """
+        if header.dtype != torch.int64 or header.numel() != HEADER_LENGTH:
+            raise self._refuse(
+                f"came with a header of {header.numel()} {header.dtype} values, not {HEADER_LENGTH} int64."
+            )
+        values = [int(v) for v in header.tolist()]
+        step, batch, codec, ndim = values[:_FIXED_FIELDS]
+        if codec != _CODEC_CODES[self.codec_name]:
+            names = {code: name for name, code in _CODEC_CODES.items()}
+            raise self._refuse(
+                f"are encoded as {names.get(codec, f'unknown codec {codec}')!r}, but this stage decodes "
+                f"{self.codec_name!r}; give every stage the same activation_dtype."
+            )
+        if not 1 <= ndim <= _MAX_SAMPLE_DIMS or any(v != -1 for v in values[_FIXED_FIELDS + ndim :]):
+            raise self._refuse(f"came with a malformed header {values} (ndim {ndim}, or padding other than -1).")
+        sample = tuple(values[_FIXED_FIELDS : _FIXED_FIELDS + ndim])
+        if batch < 1 or any(d < 1 for d in sample):
+            raise self._refuse(f"announce a non-positive size: batch {batch}, sample shape {sample}.")
+        if batch_size is not None and batch != batch_size:
+            raise self._refuse(
+                f"announce a batch of {batch} samples, this stage read {batch_size}; refusing them. Every stage of a "
+                "replica must read the same batches (same data loader and seed)."
+            )
+        if expected_sample is not None and sample != tuple(expected_sample):
+            raise self._refuse(
+                f"announce a sample shape {sample}, but this stage's block expects {tuple(expected_sample)}; refusing"
+                " them (a peer built from another model or split)."
+            )
+        if batch * _product(sample) > MAX_MESSAGE_ELEMENTS:
+            raise self._refuse(
+                f"announce {batch} x {sample} values, above the {MAX_MESSAGE_ELEMENTS} a message may hold; refusing "
+                "to allocate them."
+            )
+        if self.asynchronous:
+            index = self.messages_received
+            # The previous message's step bounds this one from below (unless the count was reset by a resume).
+            floor = self._last_header[1] if self._last_header[0] == index - 1 else 0
+            if not floor <= step <= index:
+                raise self._refuse(
+                    f"announce step {step}, but message {index} can only carry steps {floor}..{index} (the step "
+                    "that produced a batch never goes back, nor past the message's own index)."
+                )
+            self._last_header = (index, step)
+        return step, batch, sample
+
+    def check_and_decode(self, wire: Tensor, batch: int, sample: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """Decode a received wire tensor after checking its length, dtype and values (see :meth:`check_header`).
+
+        Raises:
+            PeerPayloadError: a wire tensor of another length or dtype than ``(batch, *sample)`` encoded by this
+                link's codec, non-finite values, or a bad int8 scale.
+        """
+        codec = BoundaryCodec(self.codec_name, sample[-1])
+        expected = batch * _product(sample[:-1]) * codec.wire_width
+        if wire.numel() != expected or wire.dtype != codec.wire_dtype:
+            raise self._refuse(
+                f"came as {wire.numel()} {wire.dtype} values; a batch of {batch} x {sample} in the {self.codec_name}"
+                f" codec is {expected} {codec.wire_dtype} values."
+            )
+        wire = wire.reshape(batch, *sample[:-1], codec.wire_width)
+        try:
+            codec.check_wire(wire, peer=self.peer, what="activations")
+        except PeerPayloadError as error:
+            self.last_error = error
+            raise
+        return codec.decode(wire, dtype)
+
+    def nothing_to_replay(self, step: int) -> PeerPayloadError:
+        """The error when this step's activations were dropped and the replay buffer holds none fresh enough."""
+        return self._refuse(
+            f"for step {step} were dropped (on_bad_payload='drop') and the replay buffer holds none fresh enough to "
+            f"train on instead; the dropped message: {self.last_error}"
+        )
 
     def _wire_buffer(self, batch: int, sample: tuple[int, ...], device: torch.device) -> Tensor:
         codec = BoundaryCodec(self.codec_name, sample[-1])
         return torch.empty((batch, *sample[:-1], codec.wire_width), dtype=codec.wire_dtype, device=device)
 
     def poll(
-        self, limit: int, device: torch.device, dtype: torch.dtype, block: bool = False
+        self,
+        limit: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        block: bool = False,
+        expect: Callable[[int], Expectation] | None = None,
     ) -> list[tuple[int, Tensor]]:
         """Asynchronous mode: the ``(step, activations)`` messages completed so far, in order.
 
         Keeps one receive posted (header, then payload) while fewer than ``limit`` messages have arrived in all (so
         nothing is left posted once the sender is done). ``block=True`` waits until at least one message completes.
+        ``expect(step)`` gives ``(batch_size, sample_shape)`` of this stage's batch of ``step`` when it still has it
+        (see :meth:`check_header`). Messages with bad values raise, or are left out under ``on_bad_payload="drop"``
+        (they still count as received).
         """
         done: list[tuple[int, Tensor]] = []
         while True:
@@ -176,20 +322,40 @@ class ActivationLink:
                 if done or not block:
                     return done
                 state["work"].wait()
-            if "wire" not in state:  # the header arrived: post the payload
-                step, batch, sample = self._parse(state["header"])
+            if "wire" not in state:  # the header arrived: check it, then post the payload
+                known = expect(int(state["header"][0])) if expect is not None else None
+                step, batch, sample = self.check_header(state["header"], *(known or (None, None)))
                 wire = self._wire_buffer(batch, sample, device)
-                state.update(step=step, sample=sample, wire=wire)
+                state.update(step=step, batch=batch, sample=sample, wire=wire)
                 state["work"] = comm.irecv(wire, self.peer, label=self.label, tag=self.tag)
                 continue
             self._in_flight = None
             self.messages_received += 1
-            codec = BoundaryCodec(self.codec_name, state["sample"][-1])
-            done.append((state["step"], codec.decode(state["wire"], dtype)))
+            try:
+                decoded = self.check_and_decode(state["wire"], state["batch"], state["sample"], dtype)
+            except PeerPayloadError as error:
+                if self.on_bad_payload != "drop":
+                    raise
+                report_dropped(error, f"left out the activations of step {state['step']}; the stage replays", self)
+                continue
+            done.append((state["step"], decoded))
 
-    def drain_until(self, count: int, device: torch.device, dtype: torch.dtype) -> list[tuple[int, Tensor]]:
+    def drain_until(
+        self,
+        count: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        expect: Callable[[int], Expectation] | None = None,
+    ) -> list[tuple[int, Tensor]]:
         """Asynchronous mode: receive until ``count`` messages in all have arrived (blocking); returns the new ones."""
         done: list[tuple[int, Tensor]] = []
         while self.messages_received < count:
-            done += self.poll(count, device, dtype, block=True)
+            done += self.poll(count, device, dtype, block=True, expect=expect)
         return done
+
+
+def _product(values: tuple[int, ...]) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result

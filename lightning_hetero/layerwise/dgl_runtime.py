@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_hetero import comm
 from lightning_hetero.core import StrategyRuntime, WorldLayout, average_gradients, broadcast_module_state
-from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
+from lightning_hetero.layerwise.decoupled import ActivationLink, bad_payload_policy, batch_signature
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer, check_capacity
 from lightning_hetero.subspace.pipeline import PipelineGroups, PipelineLayout
@@ -62,6 +62,9 @@ class DecoupledRuntime(StrategyRuntime):
         replay_capacity: Entries of the replay buffer (asynchronous mode).
         max_in_flight: Sends a stage may have outstanding before it waits (how far it can run ahead of the link).
         activation_dtype: Codec of the activations: ``"fp32"`` (exact), ``"bf16"`` or ``"int8"`` (lossy).
+        on_bad_payload: ``"raise"``: corrupt activations from the previous stage (a header that does not match this
+            stage's batch and block, NaN/Inf) raise :class:`~lightning_hetero.comm.validation.PeerPayloadError`.
+            ``"drop"`` (``mode="async"`` only): bad values are left out and the stage replays older activations.
         owner: Class name used in error messages.
     """
 
@@ -80,6 +83,7 @@ class DecoupledRuntime(StrategyRuntime):
         replay_capacity: int = 4,
         max_in_flight: int = 2,
         activation_dtype: str = "fp32",
+        on_bad_payload: str = "raise",
         owner: str = "LayerwiseStrategy",
     ) -> None:
         from lightning_hetero.layerwise.dgl_stage import AUX_HEAD_KINDS
@@ -108,6 +112,8 @@ class DecoupledRuntime(StrategyRuntime):
         self.layout = PipelineLayout(num_stages, data_parallel_size)
         self.aux_head, self.aux_outputs, self.mode = aux_head, aux_outputs, mode
         self.max_in_flight, self.activation_dtype = max_in_flight, activation_dtype
+        self.on_bad_payload = bad_payload_policy(owner, on_bad_payload, asynchronous=mode == "async")
+        self._expected: dict[tuple, tuple[int, ...]] = {}  # per-sample input shape of this stage, per batch signature
         self.groups: PipelineGroups | None = None
         self.stack: Any | None = None
         self.container: DGLStageModel | None = None
@@ -166,7 +172,10 @@ class DecoupledRuntime(StrategyRuntime):
             groups = self._groups
             peer = groups.next_rank if direction == "out" else groups.prev_rank
             asynchronous = self.mode == "async" and tag == TRAIN_TAG
-            link = ActivationLink(peer, self.activation_dtype, tag, asynchronous, self.max_in_flight)
+            policy = self.on_bad_payload if asynchronous else "raise"
+            link = ActivationLink(
+                peer, self.activation_dtype, tag, asynchronous, self.max_in_flight, on_bad_payload=policy
+            )
             if tag == TRAIN_TAG:  # one training message per step and boundary: count from the (resumed) step
                 link.messages_sent = link.messages_received = self.steps
             self._links[key] = link
@@ -217,6 +226,19 @@ class DecoupledRuntime(StrategyRuntime):
     def _device(self, batch: Mapping[str, Any]) -> torch.device:
         return next(v.device for v in batch.values() if isinstance(v, Tensor))
 
+    def _expect(self, batch: Mapping[str, Any]) -> tuple[int, tuple[int, ...]]:
+        """``(batch size, per-sample shape)`` of the activations this stage must receive for ``batch`` (local)."""
+        signature = batch_signature(batch)
+        if signature not in self._expected:
+            self._expected[signature] = self._stack.block_input_shape(self.stage_index, batch)
+        return next(v.shape[0] for v in batch.values() if isinstance(v, Tensor)), self._expected[signature]
+
+    def _expect_step(self, step: int) -> tuple[int, tuple[int, ...]] | None:
+        try:
+            return self._expect(self.ring.get(step))
+        except KeyError:  # a batch no longer kept: the message is only bounded (it is too stale to be used)
+            return None
+
     def _input(self, batch: Mapping[str, Any]) -> tuple[Tensor | None, Mapping[str, Any], int]:
         """This step's input activations, the batch they belong to and the step that batch was read at."""
         step = self.steps
@@ -225,14 +247,16 @@ class DecoupledRuntime(StrategyRuntime):
         device, dtype = self._device(batch), self._dtype()
         link = self._link("in", TRAIN_TAG)
         if self.mode == "sync":
-            size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
-            return link.receive(size, batch_signature(batch), device, dtype), batch, step
+            size, sample = self._expect(batch)
+            return link.receive(size, batch_signature(batch), device, dtype, sample), batch, step
         self.ring.add(step, batch)
-        for produced, activations in link.poll(step + 1, device, dtype):
+        for produced, activations in link.poll(step + 1, device, dtype, expect=self._expect_step):
             self.buffer.push(produced, activations)
         entry = self.buffer.newest_usable(step)
         while entry is None:  # nothing fresh enough: wait for the next message (the one of this step at the latest)
-            for produced, activations in link.poll(step + 1, device, dtype, block=True):
+            if link.messages_received > step:  # this step's message was dropped (on_bad_payload="drop")
+                raise link.nothing_to_replay(step)
+            for produced, activations in link.poll(step + 1, device, dtype, block=True, expect=self._expect_step):
                 self.buffer.push(produced, activations)
             entry = self.buffer.newest_usable(step)
         return entry.activations, self.ring.get(entry.step), entry.step
@@ -272,7 +296,7 @@ class DecoupledRuntime(StrategyRuntime):
         link = self._links.get(f"in{TRAIN_TAG}")
         if link is not None and self.mode == "async" and self.container is not None:
             device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
-            for produced, activations in link.drain_until(self.steps, device, self._dtype()):
+            for produced, activations in link.drain_until(self.steps, device, self._dtype(), self._expect_step):
                 self.buffer.push(produced, activations)
 
     @torch.no_grad()
@@ -280,8 +304,9 @@ class DecoupledRuntime(StrategyRuntime):
         """Forward-only through this stage (receiving from / sending to the neighbours on the evaluation tag)."""
         x = None
         if not self.is_first:
-            size = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
-            x = self._link("in", EVAL_TAG).receive(size, batch_signature(batch), self._device(batch), self._dtype())
+            size, sample = self._expect(batch)
+            link = self._link("in", EVAL_TAG)
+            x = link.receive(size, batch_signature(batch), self._device(batch), self._dtype(), sample)
         hidden = self._features(x, batch)
         if not self.is_last:
             link = self._link("out", EVAL_TAG)

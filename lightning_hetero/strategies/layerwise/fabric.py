@@ -23,27 +23,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.plugins.precision import MixedPrecision
-from torch import Tensor, nn
-from torch.optim import Optimizer
-from typing_extensions import override
+from torch import Tensor
 
 from lightning_hetero.core import runtime_arguments
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-from lightning_hetero.strategies.lifecycle import FabricStrategyBase
+from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 
 __all__ = ["LayerwiseStrategy"]
 
 
-class LayerwiseStrategy(FabricStrategyBase):
+class LayerwiseStrategy(PipelineFabricStrategy):
     """Fabric strategy: one block per stage, local losses, activations sent forward only.
 
     Arguments as in the Trainer's :class:`lightning_hetero.LayerwiseStrategy` (``num_stages``, ``boundaries``,
     ``data_parallel_size``, ``aux_head``, ``aux_outputs``, ``mode``, ``replay_capacity``, ``max_in_flight``,
-    ``activation_dtype``), plus Fabric's (``**kwargs``; see :class:`~lightning_hetero.strategies.FabricStrategyBase`).
+    ``activation_dtype``, ``on_bad_payload``), plus Fabric's (``**kwargs``; see
+    :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
     strategy_name = "layerwise"
+    fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
+    backward_refusal = (
+        "With LayerwiseStrategy, fabric.backward() is not used: strategy.train_step(batch) runs this stage's "
+        "forward, local loss and backward, and returns the loss."
+    )
 
     def __init__(
         self,
@@ -56,19 +59,10 @@ class LayerwiseStrategy(FabricStrategyBase):
         replay_capacity: int = 4,
         max_in_flight: int = 2,
         activation_dtype: str = "fp32",
+        on_bad_payload: str = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
-
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage (after ``setup_module``)."""
-        return self.runtime.stage_index
-
-    @property
-    def stage(self) -> nn.Module:
-        """This rank's stage container (after ``setup_module``)."""
-        return self.runtime.stage
 
     def train_step(self, batch: Any) -> Tensor:
         """This stage's DGL step (gradients land in ``.grad``, averaged over replicas); returns its local loss."""
@@ -86,34 +80,3 @@ class LayerwiseStrategy(FabricStrategyBase):
     def flush(self) -> None:
         """Finish the activations in flight (call at the end of training; evaluation and saving do it)."""
         self.runtime.flush()
-
-    @override
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        if isinstance(self.precision, MixedPrecision) and getattr(self.precision, "scaler", None) is not None:
-            raise ValueError("LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'.")
-        self._claim_module(module)
-        return self.runtime.setup(module, self.root_device, self.global_rank)
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        module = self.setup_module(module)
-        self._require_optimizers_follow(module, optimizers, "replaces the model by this rank's stage")
-        return module, optimizers, scheduler
-
-    @override
-    def module_to_device(self, module: nn.Module) -> None:
-        module.to(self.root_device)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return self.runtime.sampler_kwargs(self.global_rank)
-
-    @override
-    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            "With LayerwiseStrategy, fabric.backward() is not used: strategy.train_step(batch) runs this stage's "
-            "forward, local loss and backward, and returns the loss."
-        )

@@ -118,3 +118,20 @@ def test_cnn_blocks_record_their_widths():
     stack = split_into_blocks(tiny_model("cnn"), boundaries=[2])
     assert stack.block_channels == [8, 8]
     assert stack.signature == "cnn:3:0-2,2-3"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_input_shape_is_inferred_without_running_the_model(family):
+    """What a pipeline stage expects from its peer: the real per-sample shapes, from shapes alone (meta device)."""
+    torch.manual_seed(0)
+    model = tiny_model(family).eval()
+    stack = split_into_blocks(model)
+    batch = tiny_batch(family)
+    real = []
+    with torch.no_grad():
+        hidden, context = stack.embed(batch), stack.context_of(batch)
+        for block in stack.blocks:
+            real.append(tuple(hidden.shape[1:]))
+            hidden = block(hidden, context)
+    assert [stack.block_input_shape(j, batch) for j in range(stack.num_blocks)] == real
+    assert all(p.device.type == "cpu" for p in model.parameters())  # inferred on copies, the model stays put
