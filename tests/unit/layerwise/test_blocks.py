@@ -21,11 +21,11 @@ def _model_logits(model: nn.Module, family: str, batch: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("split", [{}, {"num_blocks": 2}, {"boundaries": [1]}])
-def test_stack_forward_equals_model_logits(family, split):
+def test_stack_forward_equals_model_logits(family, split, device):
     torch.manual_seed(0)
-    model = tiny_model(family).eval()
+    model = tiny_model(family).eval().to(device)
     stack = split_into_blocks(model, **split)
-    batch = tiny_batch(family)
+    batch = {key: value.to(device) for key, value in tiny_batch(family).items()}
     with torch.no_grad():
         assert torch.equal(stack(batch), _model_logits(model, family, batch))
     expected_blocks = {"": 3, "num_blocks": 2, "boundaries": 2}[next(iter(split), "")]
