@@ -196,11 +196,13 @@ def compare_with_plain(results: dict[str, Any], stages: int) -> None:
             results["operating_point"][bandwidth] = point.as_dict()
 
 
-def write_headline(results: dict[str, Any]) -> None:
+def write_headline(results: dict[str, Any], loss_budget_pct: float = 3.0) -> None:
     """The ``subspace`` section of docs/results/headline.json.
 
-    ``tok_s_ratio_80mbit`` with the R of that link, the best subspace variant at the slowest bandwidth with R >= 10
-    (if measured), and the loss gap at equal tokens from the unthrottled (longest) runs.
+    The variant reported is the fastest subspace variant whose val loss at equal tokens is within ``loss_budget_pct``
+    of plain's (the quality goal; the fastest of all if none is): ``tok_s_ratio_80mbit`` with the R of that link, and
+    the same at the slowest measured bandwidth with R >= 10 (if any). The fastest variant regardless of loss is
+    stored next to it, so a faster but worse variant is never hidden or passed off as the headline.
     """
     from headline import update_headline
 
@@ -209,7 +211,11 @@ def write_headline(results: dict[str, Any]) -> None:
     quality = {
         run["variant"]: run for run in subspace if run["bandwidth"] == UNTHROTTLED and "val_loss_vs_plain" in run
     }
-    values: dict[str, Any] = {"results": "docs/results/bench_subspace_linkbound/results.json"}
+    within = {name for name, run in quality.items() if 100 * run["val_loss_vs_plain"] <= loss_budget_pct}
+    values: dict[str, Any] = {
+        "results": "docs/results/bench_subspace_linkbound/results.json",
+        "loss_budget_pct": loss_budget_pct,
+    }
     for label, bandwidth in (("80mbit", "80mbit"), ("R10", None)):
         if bandwidth is None:
             ok = [bw for bw, point in points.items() if point["ratio"] >= 10]
@@ -219,7 +225,8 @@ def write_headline(results: dict[str, Any]) -> None:
         runs = [run for run in subspace if run["bandwidth"] == bandwidth and "speedup_vs_plain" in run]
         if not runs or bandwidth not in points:
             continue
-        best = max(runs, key=lambda run: run["speedup_vs_plain"])
+        fastest = max(runs, key=lambda run: run["speedup_vs_plain"])
+        best = max([run for run in runs if run["variant"] in within] or runs, key=lambda run: run["speedup_vs_plain"])
         if label == "80mbit":
             values.update(R=points[bandwidth]["ratio"], tok_s_ratio_80mbit=round(best["speedup_vs_plain"], 2))
             values["variant_80mbit"] = best["variant"]
@@ -228,12 +235,19 @@ def write_headline(results: dict[str, Any]) -> None:
                 R_at_R10=points[bandwidth]["ratio"], bandwidth_at_R10=bandwidth, variant_at_R10=best["variant"]
             )
             values["tok_s_ratio_at_R10"] = round(best["speedup_vs_plain"], 2)
+        values[f"fastest_any_loss_{label}"] = {
+            "variant": fastest["variant"],
+            "tok_s_ratio": round(fastest["speedup_vs_plain"], 2),
+            "val_loss_gap_pct": round(100 * quality[fastest["variant"]]["val_loss_vs_plain"], 2)
+            if fastest["variant"] in quality
+            else None,
+        }
         chosen = quality.get(best["variant"])
         if chosen is not None:
             values[f"val_loss_gap_pct_{label}"] = round(100 * chosen["val_loss_vs_plain"], 2)
             values["quality_tokens"] = chosen["tokens"]
     values["val_loss_gap_pct"] = values.get("val_loss_gap_pct_R10", values.get("val_loss_gap_pct_80mbit"))
-    update_headline("subspace", values)
+    update_headline("subspace", values, revision=results.get("meta", {}).get("git_revision"))
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -312,6 +326,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (equal tokens for every variant)")
     parser.add_argument("--speed-steps", type=int, help="steps of the throttled runs (default: --steps)")
     parser.add_argument("--headline", action="store_true", help="write the subspace section of headline.json")
+    parser.add_argument("--loss-budget-pct", type=float, default=3.0, help="headline: largest val-loss gap allowed")
+    parser.add_argument(
+        "--from-results", type=Path, help="recompute ratios, headline and plots from this results.json (no runs)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing statistics")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -326,6 +344,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.from_results is not None:
+        finish(json.loads(args.from_results.read_text()), args, args.from_results.parent)
+        return
 
     from lightning_hetero.comm import parse_bandwidth
     from lightning_hetero.data import ShakespeareDataModule
@@ -338,7 +359,10 @@ def main() -> None:
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size).prepare_data()  # tokenize once
+    from headline import run_metadata
+
     results: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "runs": []}
+    results["meta"] = {**run_metadata(), "seeds": {"model_and_batches": 0, "validation_batches": 1}}
     for bandwidth in args.bandwidths:
         for variant in args.variants:
             run = run_under_testbed(variant, bandwidth, args, out_dir)
@@ -348,9 +372,14 @@ def main() -> None:
                 f"{run['pipeline_bytes_per_step']:.0f} B/step, val loss {run['val_loss']:.4f}",
                 file=sys.stderr,
             )
-    compare_with_plain(results, args.stages)
+    finish(results, args, out_dir)
+
+
+def finish(results: dict[str, Any], args: argparse.Namespace, out_dir: Path) -> None:
+    """Ratios against plain, the headline section (with ``--headline``), results.json, plots and the printed JSON."""
+    compare_with_plain(results, int(results["config"]["stages"]))
     if args.headline:
-        write_headline(results)
+        write_headline(results, args.loss_budget_pct)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir / "bytes_and_throughput.png")
     plot_loss_curves(results, out_dir / "loss_curves.png")

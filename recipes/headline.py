@@ -35,10 +35,27 @@ def git_revision(repo: Path = REPO) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def update_headline(section: str, values: dict[str, Any], path: Path = HEADLINE) -> dict[str, Any]:
+def run_metadata() -> dict[str, Any]:
+    """Git revision, torch version, machine and UTC time of a benchmark run (stored in its results.json)."""
+    import platform
+
+    import torch
+
+    return {
+        "git_revision": git_revision(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def update_headline(
+    section: str, values: dict[str, Any], path: Path = HEADLINE, revision: str | None = None
+) -> dict[str, Any]:
     """Replace ``section`` of the headline JSON with ``values`` (+ ``git_revision``, ``updated_utc``), atomically.
 
-    Other sections are kept as they are. Returns the whole document as written.
+    Other sections are kept as they are. ``revision`` is the git revision the figures were measured at (default:
+    this checkout's, for a benchmark writing its own fresh results). Returns the whole document as written.
 
     Raises:
         ValueError: ``section`` is empty, or ``values`` is not a dict of JSON-serialisable values.
@@ -49,7 +66,7 @@ def update_headline(section: str, values: dict[str, Any], path: Path = HEADLINE)
         raise ValueError(f"values must be a dict of figures, got {type(values).__name__}.")
     entry = {
         **values,
-        "git_revision": git_revision(),
+        "git_revision": revision or git_revision(),
         "updated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     json.dumps(entry)  # fail before touching the file if a value is not JSON-serialisable
