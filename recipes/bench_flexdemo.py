@@ -163,7 +163,8 @@ def analyse(
     x ``(1 + margin)``. ``speed`` is keyed by variant name without ``@lr`` (step time does not depend on the rate).
     ``compute_s`` (one process, no communication) gives R and step / max(compute, wire / bandwidth). ``default`` is
     ``default_variant`` (else the first FlexDeMo variant), ``best`` the FlexDeMo variant fastest to target at the
-    first throttled bandwidth measured for every variant (ties: the lower loss), ``best_loss`` the lowest final loss.
+    first throttled bandwidth measured for every variant (none: unthrottled; ties: the lower loss), ``best_loss`` the
+    lowest final loss.
     """
     baselines = [variant for variant in quality if baseline_of(variant)]
     if not baselines:
@@ -210,8 +211,8 @@ def analyse(
                 wire = step_cost(measured, best)[1]
                 operating[bandwidth] = operating_point(wire, bandwidth, compute_s).as_dict()
     flexdemo = [variant for variant in rows if not baseline_of(variant)]
-    throttled = [bw for bw in base_speed if bw != UNTHROTTLED and all(bw in rows[v] for v in flexdemo)]
-    primary = throttled[0] if throttled else None
+    complete = [bw for bw in base_speed if all(bw in rows[v] for v in flexdemo)]  # measured for every variant
+    primary = next((bw for bw in complete if bw != UNTHROTTLED), complete[0] if complete else None)
     summary: dict[str, Any] = {"default": default_variant or (flexdemo[0] if flexdemo else None)}
     if flexdemo:
         summary["best_loss"] = min(flexdemo, key=lambda v: rows[v]["final_val_loss"])

@@ -163,3 +163,15 @@ def test_speed_runs_of_diloco_cover_a_whole_period():
     assert bench.speed_steps("demo-1/32-sign", "20mbit", args) == 5
     assert bench.speed_steps("diloco-h16-olr0.7", "100mbit", args) == 18
     assert bench.speed_steps("diloco", "20mbit", args) == 34
+
+
+def test_without_a_throttled_link_for_every_variant_the_best_is_picked_unthrottled():
+    quality = {"ddp": _run([(10, 6.0)], 1.0, 1000), "demo-1/32-sign": _run([(10, 6.1)], 0.5, 10)}
+    speed = {
+        "ddp": {"unthrottled": _run([], 1.0, 1000), "20mbit": _run([], 8.0, 1000)},
+        "demo-1/32-sign": {"unthrottled": _run([], 0.5, 10)},
+    }
+    analysis = bench.analyse(quality, speed, margin=0.02)
+    assert analysis["best"] == "demo-1/32-sign" and analysis["best_at"] == "unthrottled"
+    assert analysis["variants"]["demo-1/32-sign"]["unthrottled"]["speedup_to_target"] == 2.0
+    assert "20mbit" not in analysis["variants"]["demo-1/32-sign"]  # not measured there
