@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 from bench_flexdemo_report import markdown_table, plot, step_cost  # noqa: E402
 from flexdemo_variants import parse_variant, validate_variant  # noqa: E402
+from headline import run_metadata  # noqa: E402
 
 from lightning_hetero.comm import parse_bandwidth  # noqa: E402
 from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio  # noqa: E402
@@ -131,21 +132,6 @@ def run_compute_only(args: argparse.Namespace) -> dict[str, Any]:
     summary = json.loads(out.read_text())
     summary.pop("step_seconds", None)
     return summary
-
-
-def run_metadata() -> dict[str, Any]:
-    """Git revision, library versions and machine of the run."""
-    import platform
-
-    import torch
-    from headline import git_revision
-
-    return {
-        "git_revision": git_revision(),
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def analyse(

@@ -28,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 
-from headline import git_revision  # noqa: E402
+from headline import run_metadata  # noqa: E402
 
 BASELINE_RESULTS = REPO / "docs" / "results" / "bench_baselines" / "results.json"
 # SmolLM2-135M's published shape; step time does not depend on the weights' values, so a random init is timed.
@@ -46,6 +46,9 @@ SMOLLM2_135M = {
 SHAKESPEARE_VOCAB = 2048  # the project's Shakespeare tokenizer; the presets' LM heads shrink to it in training
 
 
+MEASURED_MODELS = ("llama-tiny", "llama-small", "llama-medium", "SmolLM2-135M")
+
+
 def model_configs() -> dict[str, Any]:
     """The measured sizes: the llama presets at the Shakespeare vocabulary, and SmolLM2-135M's shape."""
     from transformers import LlamaConfig
@@ -53,8 +56,7 @@ def model_configs() -> dict[str, Any]:
     from lightning_hetero.models import build_config
 
     configs: dict[str, Any] = {
-        name: build_config(name, {"vocab_size": SHAKESPEARE_VOCAB})
-        for name in ("llama-tiny", "llama-small", "llama-medium")
+        name: build_config(name, {"vocab_size": SHAKESPEARE_VOCAB}) for name in MEASURED_MODELS[:3]
     }
     configs["SmolLM2-135M"] = LlamaConfig(**{k: v for k, v in SMOLLM2_135M.items() if k != "model_type"})
     return configs
@@ -103,23 +105,6 @@ def wire_overhead() -> float:
     return statistics.median(run["wire_tx_bytes_per_step"] / (4 * run["parameters"]) for run in runs)
 
 
-def run_metadata() -> dict[str, Any]:
-    """Git revision, torch/transformers versions and the machine, for the results file."""
-    import os
-    import platform
-
-    import torch
-    import transformers
-
-    return {
-        "git_revision": git_revision(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'unknown CPU'}",
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
 def build_table(args: argparse.Namespace) -> dict[str, Any]:
     """Measured rows for the sizes that run here, projected rows for 1B and 8B, at every bandwidth."""
     from lightning_hetero.comm.operating_point import (
@@ -133,6 +118,8 @@ def build_table(args: argparse.Namespace) -> dict[str, Any]:
     overhead = wire_overhead()
     measured: list[dict[str, Any]] = []
     for name, config in model_configs().items():
+        if args.models and name not in args.models:
+            continue
         compute = measure_compute(config, args.micro_batch, args.seq_len, args.steps)
         link_bytes = allreduce_link_bytes(compute["params"], 4.0, 2) * overhead
         row = {"model": name, "kind": "measured", **compute, "link_bytes_per_step": link_bytes}
@@ -200,7 +187,11 @@ def main() -> None:
     parser.add_argument("--gpu-tokens-per-step", type=int, default=16 * 2048, help="projection: tokens per GPU step")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "operating_point")
     parser.add_argument("--plot-only", type=Path)
+    parser.add_argument("--models", nargs="+", help=f"measure only these (default: all of {MEASURED_MODELS})")
     args = parser.parse_args()
+    unknown = sorted(set(args.models or []) - set(MEASURED_MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {MEASURED_MODELS}.")
     if args.plot_only:
         plot(json.loads(args.plot_only.read_text()), args.plot_only.with_name("r_vs_size.png"))
         return

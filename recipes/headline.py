@@ -36,15 +36,17 @@ def git_revision(repo: Path = REPO) -> str:
 
 
 def run_metadata() -> dict[str, Any]:
-    """Git revision, torch version, machine and UTC time of a benchmark run (stored in its results.json)."""
+    """Git revision, torch/transformers versions, machine and UTC time of a benchmark run (for its results.json)."""
     import platform
 
     import torch
+    import transformers
 
     return {
         "git_revision": git_revision(),
         "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "transformers": transformers.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'unknown CPU'}",
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
