@@ -219,7 +219,7 @@ def main() -> None:
     if args.trainer_run:
         print(json.dumps(trainer_run(args.trainer_run[0], args.trainer_run[1], int(args.trainer_run[2]))))
         return
-    steps = 60 if args.quick else 2000
+    steps = 20 if args.quick else 2000
     results: dict[str, Any] = {
         "git_revision": subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.testbed_support import require_testbed
+
 from lightning_hetero.testbed import Testbed, list_testbed_namespaces
 from lightning_hetero.testbed.netns import namespace_pids
 
@@ -29,25 +31,9 @@ STEPS = 3
 WIRE_OVER_LEDGER = (1.0, 1.15)
 
 
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the testbed needs root (network namespaces, tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"'{tool}' (iproute2) is not installed"
-    probe = f"lhtb-{os.getpid():x}-probe"
-    created = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if created.returncode != 0:
-        return f"cannot create network namespaces here: {created.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _needs_namespaces():
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    require_testbed(probe_namespaces=True)
 
 
 @pytest.fixture

