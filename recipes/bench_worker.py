@@ -9,7 +9,8 @@ are recorded; rank 0 writes a JSON summary to ``--out``.
 
 With ``--val-every N`` the validation loss (``--val-batches`` batches of rank 0's validation shard) is recorded every
 ``N`` steps; validation time is not part of the step times. FlexDeMo options beyond the replicator, compression and
-values (``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``) go to ``replicator_options``;
+values (``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--outer-compression``) go to
+``replicator_options``;
 ``--no-error-feedback`` hands the strategy a ``DecoupledAdamW`` whose replicator drops what it does not send
 (``recipes/flexdemo_variants.py``).
 """
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=None, help="flexdemo diloco: H (default 1/compression)")
     parser.add_argument("--outer-lr", type=float, default=None, help="flexdemo diloco: outer learning rate (0.7)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="flexdemo diloco: outer momentum (0.9)")
+    parser.add_argument(
+        "--outer-compression", type=float, default=None, help="flexdemo diloco: DeMo + DiLoCo delta fraction (None)"
+    )
     parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
@@ -181,6 +185,7 @@ def main() -> None:
             sync_every=args.sync_every,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
+            outer_compression=args.outer_compression,
         )
         module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
         if not variant.error_feedback:

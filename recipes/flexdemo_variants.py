@@ -12,11 +12,13 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
+              | "demo1/" N    DeMo + DiLoCo: each sync sends 1/N of the delta's DCT coefficients (diloco; its "c" N
+                              then sets that DCT's block side)
 
 ``REPLICATOR`` is one of demo, random, topk, striding, diloco, full. The old names (``demo-1/32-bf16``, ``diloco``,
-``random-1/64-sign@1e-3``) parse to exactly the arguments they always had. DeMo and DiLoCo together (DCT top-k per
-step plus a periodic outer step) cannot be named: an optimizer holds one replicator, and the runtime has no
-replicator that composes the two (see docs/flexdemo.md, "Link-bound tuning sweep").
+``random-1/64-sign@1e-3``) parse to exactly the arguments they always had. DeMo and DiLoCo together are one
+replicator, DiLoCo with a DCT top-k delta: ``diloco-h8-demo1/32-bf16`` (every 8 steps, 1/32 of the delta's DCT
+coefficients in bf16, error feedback across periods).
 
 Unknown or misplaced tokens raise a ``ValueError`` naming the token and the fix, before any run starts.
 """
@@ -34,12 +36,14 @@ VALUES = ("fp32", "bf16", "sign", "ternary")
 CHUNKED = ("demo", "topk")
 WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
 GRAMMAR_HELP = (
-    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-h<H>][-olr<x>][-om<x>][@<lr>] with "
-    f"replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk only, noef: "
-    f"{'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om: diloco only (e.g. demo-1/32-sign-c128@3e-4, diloco-h16-olr0.7)"
+    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-h<H>][-olr<x>][-om<x>][-demo1/N][@<lr>]"
+    f" with replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk (and diloco with demo1/N),"
+    f" noef: {'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om/demo1/N: diloco only (e.g. demo-1/32-sign-c128@3e-4,"
+    " diloco-h16-olr0.7, diloco-h8-demo1/32-bf16)"
 )
 
 _FRACTION = re.compile(r"1/(\d+)")
+_OUTER_FRACTION = re.compile(r"demo1/(\d+)")
 _INTEGER_OPTION = re.compile(r"(c|h)(\d+)")
 _FLOAT_OPTION = re.compile(r"(olr|om)(\d*\.?\d+(?:e-?\d+)?)")
 
@@ -59,6 +63,7 @@ class Variant:
     sync_every: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    outer_compression: float | None = None
 
     @property
     def speed_key(self) -> str:
@@ -84,8 +89,10 @@ class Variant:
 
     def replicator_options(self) -> dict[str, Any]:
         """``build_replicator`` options set by the name (None: the replicator's default)."""
-        options = {"values": self.values, "chunk": self.chunk, "sync_every": self.sync_every}
+        chunk = "outer_chunk" if self.periodic else "chunk"  # DeMo + DiLoCo: the block side of the delta's DCT
+        options = {"values": self.values, chunk: self.chunk, "sync_every": self.sync_every}
         options |= {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        options |= {"outer_compression": self.outer_compression}
         return {key: value for key, value in options.items() if value is not None}
 
     def worker_args(self) -> list[str]:
@@ -98,7 +105,8 @@ class Variant:
             for option, flag in (("values", "--values"), ("chunk", "--chunk"), ("sync_every", "--sync-every")):
                 if getattr(self, option) is not None:
                     args += [flag, str(getattr(self, option))]
-            for option, flag in (("outer_lr", "--outer-lr"), ("outer_momentum", "--outer-momentum")):
+            outer = (("outer_lr", "--outer-lr"), ("outer_momentum", "--outer-momentum"))
+            for option, flag in (*outer, ("outer_compression", "--outer-compression")):
                 if getattr(self, option) is not None:
                     args += [flag, str(getattr(self, option))]
             if not self.error_feedback:
@@ -123,8 +131,8 @@ def parse_variant(name: str) -> Variant:
             raise ValueError(f"variant {name!r}: the learning rate after '@' must be > 0")
     if "+" in base:
         raise ValueError(
-            f"variant {name!r}: combinations such as demo+diloco are not supported (an optimizer holds one replicator"
-            f" and none composes DeMo with DiLoCo); {GRAMMAR_HELP}"
+            f"variant {name!r}: write DeMo + DiLoCo as one DiLoCo variant with a DCT top-k delta, e.g."
+            f" diloco-h8-demo1/32-bf16; {GRAMMAR_HELP}"
         )
     replicator, *tokens = base.split("-")
     if replicator in BASELINES:
@@ -154,7 +162,7 @@ def parse_variant(name: str) -> Variant:
         elif match := _INTEGER_OPTION.fullmatch(token):
             option, number = match.group(1), int(match.group(2))
             if option == "c":
-                _only(name, token, replicator, CHUNKED, "the chunk size")
+                _only(name, token, replicator, (*CHUNKED, "diloco"), "the chunk size")
                 put("chunk", number, token)
             else:
                 _only(name, token, replicator, ("diloco",), "H (local steps per sync)")
@@ -162,13 +170,20 @@ def parse_variant(name: str) -> Variant:
         elif match := _FLOAT_OPTION.fullmatch(token):
             _only(name, token, replicator, ("diloco",), "the outer learning rate / momentum")
             put("outer_lr" if match.group(1) == "olr" else "outer_momentum", float(match.group(2)), token)
+        elif match := _OUTER_FRACTION.fullmatch(token):
+            _only(name, token, replicator, ("diloco",), "DeMo + DiLoCo's delta fraction")
+            if int(match.group(1)) < 1:
+                raise ValueError(f"variant {name!r}: {token!r} must be demo1/N with N >= 1")
+            put("outer_compression", 1 / int(match.group(1)), token)
         elif token in REPLICATORS:
             raise ValueError(
-                f"variant {name!r}: {replicator} and {token} cannot be combined (an optimizer holds one replicator"
-                " and none composes them); run them as separate variants"
+                f"variant {name!r}: {replicator} and {token} cannot be combined (an optimizer holds one replicator);"
+                " DeMo + DiLoCo is diloco-h<H>-demo1/<N>, other pairs run as separate variants"
             )
         else:
             raise ValueError(f"variant {name!r}: unknown option {token!r}; {GRAMMAR_HELP}")
+    if replicator == "diloco" and "chunk" in fields and "outer_compression" not in fields:
+        raise ValueError(f"variant {name!r}: DiLoCo takes c<chunk> only with demo1/N (the DCT of its delta)")
     if replicator == "diloco" and "sync_every" in fields and "compression" in fields:
         raise ValueError(f"variant {name!r}: give DiLoCo's period once, as h<H> or as 1/N (which means H = N)")
     if replicator == "full" and "compression" in fields:

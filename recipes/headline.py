@@ -35,6 +35,19 @@ def git_revision(repo: Path = REPO) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux; ``platform.processor()`` is empty there)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def run_metadata() -> dict[str, Any]:
     """Git revision, torch/transformers versions, machine and UTC time of a benchmark run (for its results.json)."""
     import platform
@@ -46,7 +59,7 @@ def run_metadata() -> dict[str, Any]:
         "git_revision": git_revision(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or 'unknown CPU'}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {cpu_model()}",
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

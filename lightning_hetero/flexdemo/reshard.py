@@ -11,7 +11,8 @@ Which tensors are re-cut:
 - every optimizer state tensor shaped like its parameter (DeMo momentum ``delta``, AdamW ``exp_avg`` /
   ``exp_avg_sq``, error feedback ``error``), matched to parameters by position as ``Optimizer.load_state_dict``
   does;
-- the replicator's per-parameter tensors (DiLoCo ``anchors`` / ``outer_buffers``, keyed by parameter position).
+- the replicator's per-parameter tensors (DiLoCo ``anchors`` / ``outer_buffers``, DeMo + DiLoCo's error feedback
+  ``outer_residuals``, keyed by parameter position).
 
 Everything else (loops, schedulers, counters, the optimizer's scalar ``step``) is taken from saved rank 0.
 

@@ -7,7 +7,8 @@ per-rank results and each test asserts one family of them:
 - exact ledger payload (label "inter") against ``Replicator.payload_bytes`` for every replicator and value encoding;
 - DeMo against an independent numpy/scipy re-implementation simulating all replicas in-process;
 - Full + DecoupledAdamW against ``torch.optim.AdamW`` on the mean gradient (1e-6 after 10 steps);
-- DiLoCo against a hand-written simulation of n local AdamW replicas plus outer Nesterov, bytes only every H steps;
+- DiLoCo against a hand-written simulation of n local AdamW replicas plus outer Nesterov, bytes only every H steps
+  (DeMo + DiLoCo keeping every DCT coefficient against the same simulation);
 - state_dict round trip through ``torch.save``: bit-identical continuation;
 - launching buckets early gives bit-identical results to the step-only path.
 """
@@ -39,6 +40,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "striding": {},
     "full": {},
     "diloco": {"sync_every": 4, "outer_lr": 0.8, "outer_momentum": 0.5},
+    # DeMo + DiLoCo: the synchronising step sends the delta's DCT top-k (error feedback across periods)
+    "diloco-demo": {
+        "sync_every": 4,
+        "outer_lr": 0.8,
+        "outer_momentum": 0.5,
+        "outer_compression": 0.25,
+        "outer_chunk": 4,
+    },
 }
 COMPRESSION = 0.25
 OPTIMIZERS = {"sgd": DeMoSGD, "adamw": DecoupledAdamW}
@@ -85,7 +94,8 @@ def _make(kind: str, name: str, params: list[torch.nn.Parameter], **extra: Any) 
     kwargs = {"lr": LR} if kind == "sgd" else {"lr": LR, "weight_decay": 0.1}
     if kind == "sgd":
         kwargs["weight_decay"] = 0.05
-    optimizer = OPTIMIZERS[kind](params, replicator=name, compression=COMPRESSION, **kwargs, **options)
+    replicator = name.partition("-")[0]  # "diloco-demo" is the diloco replicator with outer_compression
+    optimizer = OPTIMIZERS[kind](params, replicator=replicator, compression=COMPRESSION, **kwargs, **options)
     optimizer.bind(dist.group.WORLD)
     return optimizer
 
@@ -223,7 +233,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         for values in ("fp32", "bf16", "sign", "ternary"):
             params = _init_params()
             optimizer = _make("sgd", name, params, values=values)
-            steps = OPTIONS["diloco"]["sync_every"] if name == "diloco" else 2
+            steps = OPTIONS["diloco"]["sync_every"] if name.startswith("diloco") else 2
             out["ledger"][f"{name}-{values}"] = [_step_payload(optimizer, params, rank, s) for s in range(steps)]
     for bits in (12, 16):
         params = _init_params()
@@ -260,6 +270,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     out["diloco-mid-cycle"] = _max_diff(params, _reference_diloco(world_size, 6, rank))
     _train(optimizer, params, rank, range(6, 8))
     out["diloco-synced"] = _max_diff(params, _reference_diloco(world_size, 8, rank))
+    params = _init_params()  # DeMo + DiLoCo keeping every DCT coefficient: the same outer steps (DCT round trip)
+    optimizer = _make("adamw", "diloco-demo", params, outer_compression=1.0)
+    _train(optimizer, params, rank, range(8))
+    out["diloco-demo-keep-all"] = _max_diff(params, _reference_diloco(world_size, 8, rank))
 
     for name in OPTIONS:  # resume through torch.save: bit-identical continuation
         for kind in OPTIMIZERS:
@@ -353,6 +367,7 @@ def test_diloco_matches_outer_nesterov_reference(results: tuple[int, list[dict[s
     for rank_result in per_rank:
         assert rank_result["diloco-mid-cycle"] < 1e-6
         assert rank_result["diloco-synced"] < 1e-6
+        assert rank_result["diloco-demo-keep-all"] < 1e-5
 
 
 def test_resume_is_bit_identical(results: tuple[int, list[dict[str, Any]]]) -> None:

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
-from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.flexdemo.sharding import local_tensor
+from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed
 from tests.token_data import VOCAB, progressions

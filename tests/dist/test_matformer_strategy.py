@@ -30,7 +30,6 @@ SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position
 CLIP = 0.5
 
 
-
 class TokenData(L.LightningDataModule):
     """4 sequences, batch 2: every epoch is one batch per rank, the same one (each rank has its own two sequences).
 

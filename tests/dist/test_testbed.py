@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +15,9 @@ import time
 
 import pytest
 
-from tests.testbed_support import require_testbed
-
 from lightning_hetero.testbed import Testbed, list_testbed_namespaces
 from lightning_hetero.testbed.netns import namespace_pids
+from tests.testbed_support import require_testbed
 
 PROBE = [sys.executable, "-m", "lightning_hetero.testbed.probe"]
 CLI = [sys.executable, "-m", "lightning_hetero.testbed"]

@@ -15,6 +15,11 @@ or DeMo momentum, stays local), so bytes flow only on steps ``H, 2H, ...``: one 
 delta (fp32/bf16), or an all_gather of sign/ternary-packed deltas (one scale per tensor, no error feedback).
 ``sync_every`` defaults to ``round(1 / compression)`` so that the average bytes per step are ``compression`` times
 those of a dense fp32 exchange.
+
+DeMo + DiLoCo (``outer_compression``): the synchronising step sends, instead of the whole delta, the top-k of the
+chunked DCT of ``e + (theta_0 - theta_r)`` (DeMo's encoder, error feedback ``e`` kept per parameter: what was not
+sent this period is sent in a later one), and ``Delta`` is the replica mean of the decoded coefficients. Bytes then
+shrink twice: by ``H`` (steps without exchange) and by ``outer_compression`` (the delta's payload).
 """
 
 from __future__ import annotations
@@ -25,21 +30,25 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.flexdemo.replicators.base import Bucket, Piece
+from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, Replicator, validate_compression
 from lightning_hetero.flexdemo.replicators.dense import FullReplicator
+from lightning_hetero.flexdemo.replicators.sparse import DeMoReplicator
 
 __all__ = ["DiLoCoReplicator"]
 
 
 class DiLoCoReplicator(FullReplicator):
-    """Local steps plus a periodic outer Nesterov step on the replica-mean parameter delta.
+    """Local steps plus a periodic outer Nesterov step on the replica-mean parameter delta (optionally DCT top-k sent).
 
     Args:
         compression: Sets the default ``sync_every = max(1, round(1 / compression))``.
         sync_every: ``H``, local steps between synchronisations.
         outer_lr: Outer learning rate ``eta_out`` (DiLoCo paper: 0.7).
         outer_momentum: Outer Nesterov momentum ``mu`` (DiLoCo paper: 0.9).
-        values: Encoding of the delta on the wire.
+        values: Encoding of the delta on the wire (with ``outer_compression``: of its kept DCT coefficients).
+        outer_compression: DeMo + DiLoCo: send only this fraction of the delta's chunked-DCT coefficients (top-k
+            per chunk, with error feedback) at each synchronisation. None (default): the whole delta.
+        outer_chunk: DCT block side of the compressed delta (only with ``outer_compression``).
         seed: Unused.
     """
 
@@ -54,9 +63,22 @@ class DiLoCoReplicator(FullReplicator):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         values: str = "fp32",
+        outer_compression: float | None = None,
+        outer_chunk: int = 64,
         seed: int = 0,
     ) -> None:
         super().__init__(compression, values=values, seed=seed)
+        self.outer_codec: DeMoReplicator | None = None
+        """DeMo's encoder for the delta (DeMo + DiLoCo), or None for the dense delta."""
+        if outer_compression is not None:
+            try:
+                validate_compression(outer_compression)
+            except ValueError as error:
+                raise ValueError(f"outer_{error}") from None
+            self.outer_codec = DeMoReplicator(outer_compression, chunk=outer_chunk, values=values)
+        elif outer_chunk != 64:
+            raise ValueError("outer_chunk only applies with outer_compression (DeMo + DiLoCo); set both or neither.")
+        self.outer_residuals: dict[int, torch.Tensor] = {}
         if sync_every is None:
             sync_every = max(1, round(1 / self.compression))
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -75,7 +97,28 @@ class DiLoCoReplicator(FullReplicator):
     def describe(self) -> dict[str, Any]:
         """The configuration, for logs."""
         base = {k: v for k, v in super().describe().items() if k != "seed"}
-        return {**base, "sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        outer = {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        if self.outer_codec is not None:
+            outer.update(outer_compression=self.outer_codec.compression, outer_chunk=self.outer_codec.chunk)
+        return {**base, **outer}
+
+    def setup(self, group: Any | None) -> None:
+        """Use ``group`` for the delta exchange (the DeMo encoder of DeMo + DiLoCo too)."""
+        super().setup(group)
+        if self.outer_codec is not None:
+            self.outer_codec.setup(group)
+
+    def set_bad_payload_policy(self, policy: str) -> None:
+        """``"raise"`` or ``"drop"`` for corrupt replica payloads, also in the compressed delta exchange."""
+        super().set_bad_payload_policy(policy)
+        if self.outer_codec is not None:
+            self.outer_codec.set_bad_payload_policy(policy)
+
+    def payload_bytes(self, local_shapes: Sequence[torch.Size | tuple[int, ...]]) -> int:
+        """Bytes of one synchronising step: the dense delta, or its packed DCT top-k (DeMo + DiLoCo)."""
+        if self.outer_codec is not None:
+            return self.outer_codec.payload_bytes(local_shapes)
+        return super().payload_bytes(local_shapes)
 
     def syncs_at(self, step: int) -> bool:
         """Whether the optimizer step with 0-based index ``step`` ends with a synchronisation."""
@@ -113,12 +156,8 @@ class DiLoCoReplicator(FullReplicator):
         super().end_step(params)
 
     def _synchronise(self, params: Sequence[tuple[int, torch.Tensor]]) -> None:
-        pieces = []
-        for key, param in params:
-            delta = self.anchors[key] - param.detach().float()
-            pieces.append(FullReplicator.encode(self, key, delta))
-        bucket = FullReplicator.launch(self, pieces)
-        mean_deltas = FullReplicator.finish(self, bucket)
+        deltas = [(key, self.anchors[key] - param.detach().float()) for key, param in params]
+        mean_deltas = self._exchange_deltas(deltas) if self.outer_codec is not None else self._mean(deltas)
         for (key, param), delta in zip(params, mean_deltas, strict=True):
             buffer = self.outer_buffers.get(key)
             buffer = delta.clone() if buffer is None else buffer.to(delta.device).mul_(self.outer_momentum).add_(delta)
@@ -128,6 +167,27 @@ class DiLoCoReplicator(FullReplicator):
             self.anchors[key] = param.detach().float().clone()  # the rounded value every replica now holds
         self.syncs += 1
 
+    def _mean(self, deltas: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """The replica mean of the whole deltas (one all_reduce, or a gather of sign/ternary-packed ones)."""
+        bucket = FullReplicator.launch(self, [FullReplicator.encode(self, key, delta) for key, delta in deltas])
+        return FullReplicator.finish(self, bucket)
+
+    def _exchange_deltas(self, deltas: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """DeMo + DiLoCo: DCT top-k of (residual + delta), error feedback into the residual, replica-mean decode."""
+        codec: Replicator = self.outer_codec  # type: ignore[assignment]
+        codec._reset_stats()
+        pieces = []
+        for key, delta in deltas:
+            residual = self.outer_residuals.get(key)
+            residual = delta if residual is None else residual.to(delta.device).add_(delta)
+            pieces.append(codec.encode(key, residual))  # subtracts what was sent from the residual in place
+            self.outer_residuals[key] = residual
+        mean_deltas = codec.finish(codec.launch(pieces))
+        for name in ("wait_seconds", "comm_seconds", "encode_seconds", "decode_seconds", "payload_bytes"):
+            self.stats[name] += codec.stats[name]
+        self.dropped_payloads = codec.dropped_payloads
+        return mean_deltas
+
     # ------------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Step counter, number of syncs, anchors and outer momentum buffers (cloned)."""
@@ -136,6 +196,7 @@ class DiLoCoReplicator(FullReplicator):
             "syncs": self.syncs,
             "anchors": {key: value.clone() for key, value in self.anchors.items()},
             "outer_buffers": {key: value.clone() for key, value in self.outer_buffers.items()},
+            "outer_residuals": {key: value.clone() for key, value in self.outer_residuals.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -144,3 +205,4 @@ class DiLoCoReplicator(FullReplicator):
         self.syncs = int(state_dict.get("syncs", 0))
         self.anchors = {int(k): v.clone() for k, v in state_dict.get("anchors", {}).items()}
         self.outer_buffers = {int(k): v.clone() for k, v in state_dict.get("outer_buffers", {}).items()}
+        self.outer_residuals = {int(k): v.clone() for k, v in state_dict.get("outer_residuals", {}).items()}

@@ -57,6 +57,23 @@ def test_sweep_dimensions_reach_the_worker():
     assert diloco.replicator_options() == {"values": "bf16", "sync_every": 16, "outer_lr": 0.5, "outer_momentum": 0.8}
     assert diloco.periodic and diloco.period == 16 and diloco.speed_key == "diloco-h16-olr0.5-om0.8-bf16"
     assert variants.parse_variant("diloco").period == 32 and variants.parse_variant("diloco-1/8").period == 8
+    both = variants.parse_variant("diloco-h8-demo1/32-c32-bf16@1e-3")  # DeMo + DiLoCo
+    assert both.replicator_options() == {
+        "values": "bf16",
+        "outer_chunk": 32,
+        "sync_every": 8,
+        "outer_compression": 1 / 32,
+    }
+    assert both.period == 8 and both.learning_rate == 1e-3
+    assert both.worker_args()[-6:] == [
+        "--sync-every",
+        "8",
+        "--outer-compression",
+        str(1 / 32),
+        "--learning-rate",
+        "0.001",
+    ]
+    assert variants.validate_variant("diloco-h8-demo1/32").replicator_options()["outer_compression"] == 1 / 32
     assert variants.parse_variant("demo-1/32-sign@1e-3").speed_key == "demo-1/32-sign"
     assert not variants.parse_variant("demo-1/32-sign").periodic
 
@@ -66,12 +83,14 @@ def test_sweep_dimensions_reach_the_worker():
     [
         ("demo-1/32-bf17", "unknown option 'bf17'"),
         ("demox-1/32", "unknown strategy or replicator 'demox'"),
-        ("random-1/32-c32", "'c32' sets the chunk size, which only demo/topk take"),
+        ("random-1/32-c32", "'c32' sets the chunk size, which only demo/topk/diloco take"),
         ("diloco-noef", "only demo/topk/random/striding take"),
         ("demo-h16", "only diloco take"),
         ("demo-olr0.7", "only diloco take"),
-        ("demo+diloco", "combinations such as demo+diloco are not supported"),
+        ("demo+diloco", "write DeMo + DiLoCo as one DiLoCo variant"),
         ("demo-1/32-diloco", "demo and diloco cannot be combined"),
+        ("demo-demo1/32", "only diloco take"),
+        ("diloco-c32", "DiLoCo takes c<chunk> only with demo1/N"),
         ("demo-1/32-1/16", "compression given twice"),
         ("diloco-h16-1/32", "give DiLoCo's period once"),
         ("full-1/32", "'full' sends everything"),
