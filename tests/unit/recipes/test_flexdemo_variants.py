@@ -194,3 +194,27 @@ def test_without_a_throttled_link_for_every_variant_the_best_is_picked_unthrottl
     assert analysis["best"] == "demo-1/32-sign" and analysis["best_at"] == "unthrottled"
     assert analysis["variants"]["demo-1/32-sign"]["unthrottled"]["speedup_to_target"] == 2.0
     assert "20mbit" not in analysis["variants"]["demo-1/32-sign"]  # not measured there
+
+
+def test_headline_reports_the_default_and_the_best_within_the_loss_budget(monkeypatch):
+    quality = {
+        "ddp@3e-3": _run([(10, 7.0), (20, 6.0)], 1.0, 1000),
+        "demo-1/32-sign@1e-3": _run([(10, 7.5), (20, 6.1)], 1.0, 1000),
+        "demo-1/16-sign@1e-3": _run([(10, 6.0), (20, 6.05)], 1.0, 1000),
+        "demo-1/64-sign@1e-3": _run([(10, 6.1), (20, 6.3)], 1.0, 1000),  # fastest to target, but +5% at the end
+    }
+    speed = {
+        "ddp": {"100mbit": _run([], 10.0, 100_000)},
+        "demo-1/32-sign": {"100mbit": _run([], 2.0, 1_000)},
+        "demo-1/16-sign": {"100mbit": _run([], 2.5, 2_000)},
+        "demo-1/64-sign": {"100mbit": _run([], 1.0, 500)},
+    }
+    analysis = bench.analyse(quality, speed, margin=0.02, compute_s=0.5)
+    written = {}
+    headline = importlib.import_module("headline")
+    monkeypatch.setattr(headline, "update_headline", lambda section, values: written.update({section: values}))
+    bench.write_headline(analysis, bench.REPO / "docs/results/x/results.json")
+    section = written["flexdemo"]
+    assert section["variant"] == "demo-1/32-sign@1e-3" and section["speedup_time_to_target_100mbit"] == 5.0
+    assert section["best"]["variant"] == "demo-1/16-sign@1e-3"  # demo-1/64 is faster but outside 2%
+    assert section["results"] == "docs/results/x/results.json" and section["bytes_ratio"] == 100.0
