@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipes/ siblings
 from finetune_smollm2_plot import markdown_table, plot  # noqa: E402
-from headline import git_revision  # noqa: E402
+from headline import run_metadata  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "recipes" / "finetune_smollm2_worker.py"
@@ -184,7 +183,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(markdown_table(json.loads((args.results_dir / "results.json").read_text())))
         return {}
     check_environment()
-    import torch
     from bench_matformer_smollm2 import model_dir, prepare
     from matformer_smollm2_runs import _launch, _ranks, testbed_run
 
@@ -251,9 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch_threads_per_rank": 1,
     }
     results.update(
-        git_revision=git_revision(),
-        torch=torch.__version__,
-        machine=f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), {platform.platform()}",
+        **run_metadata(),
         seeds={"training": args.seed, "subspace_basis": args.seed},
         load_average_at_end_1_5_15=list(os.getloadavg()),
         total_s=round(time.time() - started, 1),
