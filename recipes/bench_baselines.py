@@ -91,7 +91,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             if run["strategy"] == strategy and not run["bits_per_second"]:
                 axis.axhline(run["median_step_s"], linestyle=":", color=axis.lines[-2].get_color(), linewidth=1)
     axis.axhline(results["compute_only"]["median_step_s"], color="black", linewidth=1, label="compute only (1 proc)")
-    axis.set_xscale("log")
+    if any(run["bits_per_second"] for run in runs):  # an unthrottled-only run has no bandwidth axis to log-scale
+        axis.set_xscale("log")
     axis.set_yscale("log")
     axis.set_xlabel("inter-node bandwidth (Mbit/s); dotted: unthrottled")
     axis.set_ylabel("median step time (s)")

@@ -152,7 +152,8 @@ def pipeline_part(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_subspace
 
-    sub_args = argparse.Namespace(**{**vars(args), "speed_steps": None, "headline": False})
+    # bench_subspace.run_under_testbed reads these; no validation curve here (val_every 0)
+    sub_args = argparse.Namespace(**{**vars(args), "speed_steps": None, "headline": False, "val_every": 0})
     runs: list[dict[str, Any]] = []
     for bandwidth in [UNTHROTTLED, *args.bandwidths]:
         variants = ["plain"] if bandwidth == UNTHROTTLED else args.variants

@@ -310,7 +310,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
+# 4 ranks (pytest -m heavy) adds nothing the 2-rank run does not exercise but the number of replicas.
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(4, marks=[pytest.mark.slow, pytest.mark.heavy])], ids=["2ranks", "4ranks"]
+)
 def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     return request.param, run_distributed(_worker, request.param, timeout=240)
 

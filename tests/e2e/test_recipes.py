@@ -45,6 +45,7 @@ def reported_perplexities(log: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the README demo's full 600 steps (~80 s); tests/cli runs its console script for 5 steps
 @pytest.mark.assets
 @pytest.mark.timeout(900)
 def test_quickstart_full_run_learns(tmp_path):
