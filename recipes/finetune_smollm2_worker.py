@@ -37,7 +37,7 @@ import torch
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipes/: the SmolLM2 MatFormer worker's helpers
-from matformer_smollm2_worker import StepClock, read_wire_bytes  # noqa: E402
+from matformer_smollm2_worker import StepClock, launch_layout_and_data, read_wire_bytes  # noqa: E402
 
 from lightning_hetero import comm  # noqa: E402
 from lightning_hetero.data import ShakespeareDataModule  # noqa: E402
@@ -126,11 +126,7 @@ def lightning_run(args: argparse.Namespace) -> dict[str, Any]:
     """``single``, ``ddp`` or ``flexdemo``; rank 0 evaluates before and after, every rank times its steps."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    L.seed_everything(args.seed, verbose=False)
-    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=str(args.model_dir))
+    world_size, ranks_per_node, rank, data = launch_layout_and_data(args)
     # Constant lr after a 1-step warmup (the cosine's floor at min_lr_ratio=1.0), the same for every strategy.
     module = FinetuneLM(
         args.keep_layers, pretrained=str(args.model_dir), learning_rate=args.learning_rate, warmup_steps=1,

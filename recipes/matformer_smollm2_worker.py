@@ -117,6 +117,17 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def launch_layout_and_data(args: argparse.Namespace) -> tuple[int, int, int, ShakespeareDataModule]:
+    """World size, ranks per node and rank from the launcher's environment; seeds everything; Shakespeare with the
+    model's own tokenizer (``args.seq_len``, ``args.batch_size``, ``args.model_dir``, ``args.seed``)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    L.seed_everything(args.seed, verbose=False)
+    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=str(args.model_dir))
+    return world_size, ranks_per_node, rank, data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=["single", "ddp", "matformer"], required=True)
@@ -136,11 +147,7 @@ def main() -> None:
     parser.add_argument("--wire-counters", action="store_true", help="read eth0 counters (only inside the testbed)")
     args = parser.parse_args()
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    L.seed_everything(args.seed, verbose=False)
-    data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=str(args.model_dir))
+    world_size, ranks_per_node, rank, data = launch_layout_and_data(args)
     # Constant LR after a 1-step warmup (the schedule's cosine floor at min_lr_ratio=1.0): a short run must not
     # spend half its steps warming up; the same schedule for every strategy.
     module = CausalLMModule(
