@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, Replicator, validate_compression
+from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, validate_compression
 from lightning_hetero.flexdemo.replicators.dense import FullReplicator
 from lightning_hetero.flexdemo.replicators.sparse import DeMoReplicator
 
@@ -174,7 +174,8 @@ class DiLoCoReplicator(FullReplicator):
 
     def _exchange_deltas(self, deltas: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         """DeMo + DiLoCo: DCT top-k of (residual + delta), error feedback into the residual, replica-mean decode."""
-        codec: Replicator = self.outer_codec  # type: ignore[assignment]
+        codec = self.outer_codec
+        assert codec is not None  # only called with outer_compression
         codec._reset_stats()
         pieces = []
         for key, delta in deltas:
