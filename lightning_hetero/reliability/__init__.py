@@ -18,9 +18,12 @@ from lightning_hetero.reliability.checkpoints import (
     write_manifest,
 )
 from lightning_hetero.reliability.faults import ENV_VAR, FAULT_KINDS, FaultPlan, corrupt_file, restart_count
+from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit, release_process_groups
 from lightning_hetero.reliability.timeouts import explain_collective_error, group_default_timeout, inherit_group_timeout
 
 __all__ = [
+    "destroy_process_group_at_exit",
+    "release_process_groups",
     "ENV_VAR",
     "FAULT_KINDS",
     "MANIFEST_SUFFIX",

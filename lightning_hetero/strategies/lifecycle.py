@@ -15,7 +15,6 @@ strategy needs, once:
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -34,30 +32,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import StrategyRuntime, WorldLayout, remove_checkpoint, write_part
+from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit
 from lightning_hetero.reliability.timeouts import inherit_group_timeout
 
 __all__ = ["FabricStrategyBase", "TrainerStrategyBase", "destroy_process_group_at_exit"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_CLEANUP_REGISTERED = False
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit, in every process, whatever the backend.
-
-    Lightning registers this only for NCCL. Under gloo, a process that exits with its group alive can abort
-    (``terminate called without an active exception``, SIGABRT): gloo's worker threads may still hold finished works
-    whose tensors are released during interpreter finalization. Seen in about 1 of 10 spawned fits here.
-    """
-    global _CLEANUP_REGISTERED
-    if not _CLEANUP_REGISTERED:
-        atexit.register(_destroy_process_group)
-        _CLEANUP_REGISTERED = True
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class _RuntimeLifecycle:

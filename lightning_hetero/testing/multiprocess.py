@@ -120,8 +120,9 @@ def _worker(
     results.put(message)
     results.close()
     results.join_thread()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from lightning_hetero.reliability.shutdown import release_process_groups
+
+    release_process_groups()  # also lets gloo's worker threads finish their frees before the interpreter exits
 
 
 def _stop_all(processes: list[Any]) -> None:
