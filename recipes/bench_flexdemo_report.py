@@ -25,6 +25,13 @@ def step_cost(measured: dict[str, Any], variant: str) -> tuple[float, float]:
     return measured["median_step_s"], max(measured["wire_tx_bytes_per_step"], measured["wire_rx_bytes_per_step"])
 
 
+def codec_cost(measured: dict[str, Any], variant: str) -> float | None:
+    """Seconds of the replicator's own compute (encode + decode) per step, matching :func:`step_cost`; None when the
+    run did not record it (baselines, runs made before the worker recorded it)."""
+    key = "mean_codec_s" if parse_variant(variant).periodic else "median_codec_s"
+    return measured.get(key)
+
+
 def _bandwidth_order(results: dict[str, Any]) -> list[str]:
     config = results["config"]
     listed = [*config["bandwidths"], *config.get("extra_bandwidths", [])]
@@ -126,6 +133,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         r = operating.get(bw, {}).get("ratio")
         header += [f"s/step @{bw}", f"speedup to target @{bw}" + (f" (R = {r:.1f})" if r else "")]
     header.append(f"steps to {analysis['target_val_loss']}")
+    header += [f"step / physical limit @{primary}", f"codec s/step @{primary}", "step / max(compute + codec, link)"]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for variant, row in analysis["variants"].items():
         tags = [tag for tag in ("baseline", "default", "best") if analysis.get(tag) == variant]
@@ -142,5 +150,11 @@ def markdown_table(results: dict[str, Any]) -> str:
             speedup = measured.get("speedup_to_target")
             cells += [f"{measured['step_s']:.2f}", f"{speedup:.2f}x" if speedup else "never"]
         cells.append(str(row["steps_to_target"]) if row["steps_to_target"] else "never")
+        for key, form in (
+            ("step_over_physical_limit", "{:.2f}"),
+            ("codec_s", "{:.3f}"),
+            ("step_over_compute_codec_or_link", "{:.2f}"),
+        ):
+            cells.append(form.format(cell[key]) if cell.get(key) is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -53,6 +53,8 @@ class StepRecorder(L.Callback):
         self.read_wire = read_wire
         self.step_seconds: list[float] = []
         self.step_wire: list[tuple[int, int]] = []
+        self.codec_seconds: list[float] = []  # FlexDeMo: the replicator's encode + decode time in each step
+        self.wait_seconds: list[float] = []  # FlexDeMo: time blocked on the exchange in each step
         self._start = 0.0
         self._wire_start: tuple[int, int] | None = None
 
@@ -67,6 +69,11 @@ class StepRecorder(L.Callback):
         wire_end = read_wire_bytes() if self.read_wire else None
         if wire_end is not None and self._wire_start is not None:
             self.step_wire.append((wire_end[0] - self._wire_start[0], wire_end[1] - self._wire_start[1]))
+        optimizer = getattr(getattr(trainer.strategy, "runtime", None), "optimizer", None)
+        stats = optimizer.comm_stats() if hasattr(optimizer, "comm_stats") else {}
+        if "encode_seconds" in stats:
+            self.codec_seconds.append(stats["encode_seconds"] + stats["decode_seconds"])
+            self.wait_seconds.append(stats["wait_seconds"])
 
 
 class ValidationRecorder(L.Callback):
@@ -219,6 +226,7 @@ def main() -> None:
         return
     measured = recorder.step_seconds[args.warmup :]
     wire = recorder.step_wire[args.warmup :]
+    codec, waits = recorder.codec_seconds[args.warmup :], recorder.wait_seconds[args.warmup :]
     median_step = statistics.median(measured)
     tokens_per_step = args.batch_size * args.seq_len * world_size
     summary = {
@@ -242,6 +250,12 @@ def main() -> None:
         # Means: periodic exchanges (DiLoCo) send on some steps only; over a whole period the mean is the cost.
         "wire_tx_bytes_per_step_mean": statistics.fmean(tx for tx, _ in wire) if wire else None,
         "wire_rx_bytes_per_step_mean": statistics.fmean(rx for _, rx in wire) if wire else None,
+        # FlexDeMo only (None otherwise): the replicator's compute (transform, top-k, packing) and the time blocked on
+        # the exchange, per measured step; medians, and means for periodic exchanges.
+        "median_codec_s": statistics.median(codec) if codec else None,
+        "mean_codec_s": statistics.fmean(codec) if codec else None,
+        "median_wait_s": statistics.median(waits) if waits else None,
+        "mean_wait_s": statistics.fmean(waits) if waits else None,
         "val_losses": validation.losses,
         "replicator": args.replicator if args.strategy == "flexdemo" else None,
         "compression": args.compression if args.strategy == "flexdemo" else None,

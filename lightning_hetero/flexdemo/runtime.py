@@ -247,11 +247,12 @@ class FlexDeMoRuntime(StrategyRuntime):
         return syncs_at is None or bool(syncs_at(replicator.step - 1))
 
     def comm_metrics(self) -> dict[str, float]:
-        """``comm/*`` metrics of the last step: inter-node bytes sent, launched-early count, wait/comm seconds, and
-        ``comm/hidden_fraction`` = 1 - wait / comm (the share of the exchange's duration overlapped with work)."""
+        """``comm/*`` metrics of the last step: inter-node bytes sent, launched-early count, wait/comm seconds, the
+        replicator's encode/decode seconds (its compute: DCT, top-k, packing), and ``comm/hidden_fraction`` =
+        1 - wait / comm (the share of the exchange's duration overlapped with work)."""
         metrics = {"comm/inter_bytes_sent": float(comm.get_ledger().totals(comm.INTER).sent - self._inter_sent_before)}
         stats = self.optimizer.comm_stats() if self.optimizer is not None else {}
-        for key in ("launched_early", "wait_seconds", "comm_seconds"):
+        for key in ("launched_early", "wait_seconds", "comm_seconds", "encode_seconds", "decode_seconds"):
             if key in stats and isinstance(stats[key], (int, float)):
                 metrics[f"comm/{key}"] = float(stats[key])
         comm_seconds, wait_seconds = stats.get("comm_seconds"), stats.get("wait_seconds")

@@ -176,6 +176,17 @@ def test_analysis_averages_diloco_over_its_period_and_picks_default_and_best():
     assert named["default"] == "demo-1/16-sign@1e-3"
 
 
+def test_codec_time_counts_as_compute_in_the_hiding_ratio():
+    quality = {"ddp": _run([(10, 6.0)], 1.0, 1000), "demo-1/32-sign": _run([(10, 6.1)], 0.5, 10)}
+    demo = _run([], 2.0, 1_250_000) | {"median_codec_s": 1.0}  # 1.25 MB = 0.1 s at 100 Mbit
+    speed = {"ddp": {"100mbit": _run([], 9.0, 100_000_000)}, "demo-1/32-sign": {"100mbit": demo}}
+    cell = bench.analyse(quality, speed, margin=0.02, compute_s=0.5)["variants"]["demo-1/32-sign"]["100mbit"]
+    assert cell["step_over_physical_limit"] == 4.0  # 2 s against max(0.5 s compute, 0.1 s link)
+    assert cell["codec_s"] == 1.0 and cell["step_over_compute_codec_or_link"] == pytest.approx(1.33)
+    baseline = bench.analyse(quality, speed, margin=0.02, compute_s=0.5)["variants"]["ddp"]["100mbit"]
+    assert "codec_s" not in baseline and "step_over_compute_codec_or_link" not in baseline  # not recorded
+
+
 def test_speed_runs_of_diloco_cover_a_whole_period():
     args = type("Args", (), {"speed_steps": 8, "slow_link_speed_steps": 5})()
     assert bench.speed_steps("demo-1/32-sign@1e-3", "100mbit", args) == 8
