@@ -39,6 +39,10 @@ def test_bench_flexdemo_sweep_smoke(tmp_path: Path) -> None:
     quality = results["quality"]["demo-1/32-sign-c32-noef@1e-3"]
     assert quality["error_feedback"] is False and quality["replicator_options"] == {"values": "sign", "chunk": 32}
     assert [step for step, _ in quality["val_losses"]] == [2, 4]
+    assert quality["median_codec_s"] > 0 and quality["median_wait_s"] >= 0  # the replicator's compute, per step
+    assert results["quality"]["ddp"]["median_codec_s"] is None  # stock DDP has no codec
+    default_100 = analysis["variants"]["demo-1/32-sign-c32-noef@1e-3"]["100mbit"]
+    assert default_100["codec_s"] > 0 and default_100["step_over_compute_codec_or_link"] > 0
     # the extra bandwidth is measured for the baseline, the default and the best only
     measured = {name for name, per_bandwidth in results["speed"].items() if "100mbit" in per_bandwidth}
     assert measured == {"ddp", "demo-1/32-sign-c32-noef", analysis["best"].partition("@")[0]}
