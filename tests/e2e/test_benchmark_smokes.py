@@ -115,3 +115,23 @@ def test_bench_matformer_memory_two_tiers(tmp_path):
     # The training state (weights, grads, AdamW moments) shrinks exactly by the dropped FFN half.
     assert math.isclose(tier1["state_saving_over_analytic"], 1.0, rel_tol=1e-3)
     assert tier1["peak_rss_growth_bytes"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_codec_times_every_phase_of_the_demo_codec(tmp_path):
+    """llama-tiny shapes, one repeat: every phase is timed and the wire bytes are the replicator's payload formula."""
+    out = tmp_path / "codec.json"
+    run_recipe("recipes/bench_codec.py", "--preset", "llama-tiny", "--repeats", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"dct", "top_k", "inverse_dct", "encode", "decode_gathered", "clone_only"}
+    assert all(value > 0 for value in result["seconds"].values()) and result["codec_seconds_per_step"] > 0
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hetero.flexdemo.replicators import build_replicator
+    from lightning_hetero.models import build_config
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in AutoModelForCausalLM.from_config(build_config("llama-tiny")).parameters()]
+    assert result["parameters"] == sum(math.prod(shape) for shape in shapes)
+    assert result["wire_bytes_per_step"] == build_replicator("demo", 1 / 32, values="sign").payload_bytes(shapes)
