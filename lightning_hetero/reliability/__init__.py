@@ -22,8 +22,6 @@ from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit,
 from lightning_hetero.reliability.timeouts import explain_collective_error, group_default_timeout, inherit_group_timeout
 
 __all__ = [
-    "destroy_process_group_at_exit",
-    "release_process_groups",
     "ENV_VAR",
     "FAULT_KINDS",
     "MANIFEST_SUFFIX",
@@ -33,11 +31,13 @@ __all__ = [
     "IncompleteCheckpointError",
     "checkpoint_bytes",
     "corrupt_file",
+    "destroy_process_group_at_exit",
     "explain_collective_error",
     "group_default_timeout",
     "inherit_group_timeout",
     "latest_good_checkpoint",
     "manifest_file",
+    "release_process_groups",
     "remove_manifest",
     "restart_count",
     "scan_checkpoints",
