@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -122,13 +123,34 @@ def run_variant(variant: str, bandwidth: str, steps: int, val_every: int, args: 
 
 
 def run_compute_only(args: argparse.Namespace) -> dict[str, Any]:
-    """One process, one thread (each testbed rank gets one core), no communication: the compute part of a step."""
+    """The compute part of a step: one single-thread process per testbed rank, all at once, no communication.
+
+    The testbed runs ``2 x ranks_per_node`` ranks on this machine's cores; timing one process alone would understate
+    their compute when they outnumber the cores, and so overstate R. The figure is the median over the processes.
+    """
     out = args.out_dir / "compute-only.json"
-    if not (args.reuse and out.exists()):
-        command = [sys.executable, str(WORKER), "--strategy", "single", "--steps", "12", "--out", str(out)]
-        command += ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    processes = 2 * args.ranks_per_node
+    if not (args.reuse and out.exists() and json.loads(out.read_text()).get("processes") == processes):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(command, env=env, check=True, cwd=args.out_dir, capture_output=True)
+        parts = [args.out_dir / f"compute-only-{index}.json" for index in range(processes)]
+        running = []
+        for part in parts:
+            command = [sys.executable, str(WORKER), "--strategy", "single", "--steps", "12", "--out", str(part)]
+            command += ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+            with part.with_suffix(".log").open("w") as log:
+                running.append(subprocess.Popen(command, env=env, cwd=args.out_dir, stdout=log, stderr=log))
+        for part, exit_code in zip(parts, [process.wait() for process in running], strict=True):
+            if exit_code != 0:
+                log = part.with_suffix(".log").read_text()[-3000:]
+                raise RuntimeError(f"compute-only process failed (exit {exit_code}):\n{log}")
+        summaries = [json.loads(part.read_text()) for part in parts]
+        for part in parts:
+            part.unlink()
+            part.with_suffix(".log").unlink()
+        summary = {key: value for key, value in summaries[0].items() if key != "step_seconds"}
+        per_process = [entry["median_step_s"] for entry in summaries]
+        summary.update(processes=processes, median_step_s=statistics.median(per_process), per_process_s=per_process)
+        out.write_text(json.dumps(summary, indent=1))
     summary = json.loads(out.read_text())
     summary.pop("step_seconds", None)
     return summary

@@ -34,6 +34,7 @@ def test_bench_flexdemo_sweep_smoke(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     analysis = results["analysis"]
     assert set(results["quality"]) == set(variants)
+    assert results["compute_only"]["processes"] == 2  # one per testbed rank, run together
     assert analysis["baseline"] == "ddp" and analysis["default"] == "demo-1/32-sign-c32-noef@1e-3"
     assert analysis["best"] in variants[1:] and analysis["best_at"] in ("unthrottled", "100mbit")
     quality = results["quality"]["demo-1/32-sign-c32-noef@1e-3"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -229,3 +230,48 @@ def test_headline_reports_the_default_and_the_best_within_the_loss_budget(monkey
     assert section["variant"] == "demo-1/32-sign@1e-3" and section["speedup_time_to_target_100mbit"] == 5.0
     assert section["best"]["variant"] == "demo-1/16-sign@1e-3"  # demo-1/64 is faster but outside 2%
     assert section["results"] == "docs/results/x/results.json" and section["bytes_ratio"] == 100.0
+
+
+class _FakeWorker:
+    """Stands in for a compute-only worker: writes the summary a real one would, with a step time per process."""
+
+    launched: list[list[str]] = []
+
+    def __init__(self, command: list[str], **_: object) -> None:
+        self.launched.append(command)
+        out = Path(command[command.index("--out") + 1])
+        index = int(out.stem.rsplit("-", 1)[1])
+        out.write_text(f'{{"strategy": "single", "median_step_s": {0.5 + index}, "step_seconds": [1.0]}}')
+        self.exit_code = 0 if "broken" not in command else 3
+
+    def wait(self) -> int:
+        return self.exit_code
+
+
+def _compute_only_args(tmp_path: Path, ranks_per_node: int, preset: str = "llama-tiny") -> argparse.Namespace:
+    return argparse.Namespace(
+        out_dir=tmp_path, ranks_per_node=ranks_per_node, reuse=False, preset=preset, batch_size=1, seq_len=128
+    )
+
+
+def test_compute_only_runs_one_process_per_testbed_rank_at_once(tmp_path, monkeypatch):
+    _FakeWorker.launched = []
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    summary = bench.run_compute_only(_compute_only_args(tmp_path, ranks_per_node=2))
+    assert len(_FakeWorker.launched) == 4  # 2 nodes x 2 ranks share the cores, so all four run together
+    assert summary["processes"] == 4 and summary["per_process_s"] == [0.5, 1.5, 2.5, 3.5]
+    assert summary["median_step_s"] == 2.0 and "step_seconds" not in summary
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["compute-only.json"]  # the parts are cleaned up
+    _FakeWorker.launched = []
+    args = _compute_only_args(tmp_path, ranks_per_node=2)
+    args.reuse = True
+    assert bench.run_compute_only(args)["median_step_s"] == 2.0 and not _FakeWorker.launched  # reused
+    args.ranks_per_node = 1
+    assert bench.run_compute_only(args)["processes"] == 2 and len(_FakeWorker.launched) == 2  # other count: rerun
+
+
+def test_compute_only_failure_names_the_exit_code_and_keeps_the_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.subprocess, "Popen", _FakeWorker)
+    with pytest.raises(RuntimeError, match="exit 3"):
+        bench.run_compute_only(_compute_only_args(tmp_path, ranks_per_node=1, preset="broken"))
+    assert (tmp_path / "compute-only-0.log").exists()
