@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm.validation import validate_on_bad_payload
-from lightning_hetero.lowbit.sparse import all_gather_messages, decode_lists, select_sparse
+from lightning_hetero.lowbit.sparse import all_gather_messages, decode_lists, mean_of_lists, select_sparse
 from lightning_hetero.lowbit.wire import encode_sparse
 
 __all__ = ["SparseGradientAverage"]
@@ -77,14 +77,14 @@ class SparseGradientAverage:
         )
         dropped_before = self.dropped_payloads
         lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)
-        total = torch.zeros(self.numel, dtype=torch.float32)
-        for index, (sent_indices, sent_values) in enumerate(lists):
-            total.index_add_(0, sent_indices, sent_values)
-            if index == rank:
-                self.residual = corrected.clone()
-                self.residual.index_add_(0, sent_indices, -sent_values)
         contributors = max(n - (self.dropped_payloads - dropped_before), 1)  # the mean of the lists kept
-        return (total / contributors).to(grad.device)
+        # Checked (finite, bounded) before it reaches a gradient or the residual; the same bytes on every rank give
+        # the same verdict, so a refused combination raises on all of them.
+        mean = mean_of_lists(lists, self.numel, contributors)
+        sent_indices, sent_values = lists[rank]
+        self.residual = corrected.clone()
+        self.residual.index_add_(0, sent_indices, -sent_values)
+        return mean.to(grad.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's residual."""

@@ -31,7 +31,13 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm import codecs
-from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
+from lightning_hetero.comm.validation import (
+    MAX_PEER_MAGNITUDE,
+    PeerPayloadError,
+    check_values,
+    report_dropped,
+    validate_on_bad_payload,
+)
 from lightning_hetero.lowbit.flip import topk_moves
 from lightning_hetero.lowbit.wire import (
     HEADER_BYTES,
@@ -53,7 +59,9 @@ __all__ = [
     "SparseFlipExchange",
     "aggregate_flips",
     "exchange_bytes",
+    "mean_of_lists",
     "select_sparse",
+    "sum_lists",
 ]
 
 EXCHANGE_MODES: tuple[str, ...] = ("server", "allgather")
@@ -93,6 +101,31 @@ def select_sparse(
     return indices, flat[indices]
 
 
+def sum_lists(lists: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int) -> torch.Tensor:
+    """The rank-order sum of decoded sparse lists as a dense float32 tensor of ``numel`` entries (on the CPU).
+
+    Raises:
+        PeerPayloadError: The sum is not finite or above ``len(lists) * MAX_PEER_MAGNITUDE`` (values finite alone
+            can overflow together; decoded lists are bounded, so this only guards the combination itself).
+    """
+    dense = torch.zeros(numel, dtype=torch.float32)
+    for indices, values in lists:
+        dense.index_add_(0, indices.cpu(), values.cpu().float())
+    check_values(dense, what="the sum of the sparse lists", bound=max(len(lists), 1) * MAX_PEER_MAGNITUDE)
+    return dense
+
+
+def mean_of_lists(lists: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, contributors: int) -> torch.Tensor:
+    """:func:`sum_lists` divided by ``contributors`` (at least 1), checked finite and within ``MAX_PEER_MAGNITUDE``.
+
+    Raises:
+        PeerPayloadError: The sum or the mean fails :func:`~lightning_hetero.comm.validation.check_values`.
+    """
+    mean = sum_lists(lists, numel) / max(int(contributors), 1)
+    check_values(mean, what="the mean of the sparse lists")
+    return mean
+
+
 def aggregate_flips(
     lists: Sequence[tuple[torch.Tensor, torch.Tensor]], codes: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +139,7 @@ def aggregate_flips(
     Returns:
         ``(indices int64 ascending, directions int8)``; moves of saturated codes are never chosen.
     """
-    dense = torch.zeros(codes.numel(), dtype=torch.float32)
-    for indices, values in lists:
-        dense.index_add_(0, indices.cpu(), values.cpu().float())
-    return topk_moves(dense, codes.reshape(-1).cpu(), k)
+    return topk_moves(sum_lists(lists, codes.numel()), codes.reshape(-1).cpu(), k)
 
 
 def exchange_bytes(
@@ -155,7 +185,9 @@ def all_gather_messages(
     for rank, header in enumerate(headers):
         count = read_count(header)
         if count > numel:
-            error = PeerPayloadError(f"sparse message header from rank {rank}: count {count} exceeds numel {numel}.")
+            error = PeerPayloadError(
+                f"sparse message header from rank {rank}: count {count} exceeds numel {numel}.", rank, "count"
+            )
             if on_bad_payload != "drop":
                 raise error
             sizes.append(HEADER_BYTES)  # sized as empty; decode_lists refuses the header itself
@@ -274,10 +306,7 @@ class SparseFlipExchange:
         """The flip set from the decoded lists: top-k of the sum, or ``rule(sum / n, codes)``."""
         if self.rule is None:
             return aggregate_flips(lists, codes, self.k)
-        dense = torch.zeros(self.numel, dtype=torch.float32)
-        for indices, values in lists:
-            dense.index_add_(0, indices.cpu(), values.cpu().float())
-        return self.rule(dense / n, codes.reshape(-1).cpu())
+        return self.rule(mean_of_lists(lists, self.numel, n), codes.reshape(-1).cpu())
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -319,7 +348,9 @@ class SparseFlipExchange:
     def _size_from_header(self, header: torch.Tensor, src: int) -> int:
         count = read_count(header)
         if count > self.numel:
-            raise PeerPayloadError(f"sparse message header from rank {src}: count {count} exceeds numel {self.numel}.")
+            raise PeerPayloadError(
+                f"sparse message header from rank {src}: count {count} exceeds numel {self.numel}.", src, "count"
+            )
         return sparse_message_nbytes(count, self.numel, self.encoding)
 
     def _refuse_to_workers(self, error: PeerPayloadError, server: int, kwargs: dict[str, Any]) -> None:
@@ -358,18 +389,23 @@ class SparseFlipExchange:
             self.last_message_nbytes = [m.numel() for m in messages]
             try:
                 lists = decode_lists(messages, self.numel, self.encoding, self.on_bad_payload, self)
+                decided = self._decide(lists, codes, n)  # a refused combination must reach the workers too
             except PeerPayloadError as error:
                 self._refuse_to_workers(error, server, kwargs)
-            flips = encode_flips(*self._decide(lists, codes, n), self.numel)
+            flips = encode_flips(*decided, self.numel)
         header = flips[:HEADER_BYTES].clone() if rank == self.server else torch.empty(HEADER_BYTES, dtype=torch.uint8)
         comm.broadcast(header, server, **kwargs)
         if read_count(header) == REFUSED:
             raise PeerPayloadError(
-                f"the flip server (rank {server}) refused a corrupt sparse list this step (see its error); no flips."
+                f"the flip server (rank {server}) refused a corrupt sparse list this step (see its error); no flips.",
+                server,
+                "refused",
             )
         size = flip_message_nbytes(read_count(header), self.numel) if read_count(header) <= self.numel else -1
         if size < 0:
-            raise PeerPayloadError(f"flip message header from the server (rank {server}): count exceeds numel.", server)
+            raise PeerPayloadError(
+                f"flip message header from the server (rank {server}): count exceeds numel.", server, "count"
+            )
         body = (
             flips[HEADER_BYTES:].clone() if rank == self.server else torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
         )

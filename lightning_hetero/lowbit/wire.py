@@ -20,16 +20,22 @@ Values use a codec value encoding (``fp32``, ``bf16``, ``sign``, ``ternary``; th
 list). Direction bits: bit ``i % 8`` of byte ``i // 8`` set means ``-1``. Decoders reject with a ValueError any wrong
 length, count above ``numel``, block count above its block's size or block counts not summing to ``count``, index out
 of range or not strictly increasing (within a block: offsets strictly increasing and inside the block), non-canonical
-padding, invalid ternary code, NaN/Inf value or a negative / non-finite scale: nothing is ever applied silently.
-They raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` (a ``ValueError``) naming the sending rank.
+padding, invalid ternary code, NaN/Inf value, a value or scale of magnitude above
+:data:`~lightning_hetero.comm.validation.MAX_PEER_MAGNITUDE`, or a negative / non-finite scale: nothing is ever
+applied silently. They raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` (a ``ValueError``) naming the
+sending rank and the field (``bytes``, ``count``, ``length``, ``index_table``, ``indices``, ``values``, ``scale``,
+``padding``, ``directions``); nothing else escapes them (the peer-payload rule of docs/reliability.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from lightning_hetero.comm import codecs
-from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.comm.validation import PeerPayloadError, check_values, peer_decoding
 
 __all__ = [
     "BLOCK",
@@ -53,6 +59,15 @@ BLOCK = 65536
 BLOCK_COUNT_BITS = 17
 """Bits per entry of the block-count table: a count is in ``[0, BLOCK]``."""
 _MAX_NUMEL = 2**32 - 1
+_T = TypeVar("_T")
+
+
+class _Invalid(ValueError):
+    """A malformed message or argument, with the field that is wrong (decoders turn it into a PeerPayloadError)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -115,11 +130,11 @@ def _pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     return (bits << torch.arange(8)).sum(dim=1).to(torch.uint8)
 
 
-def _unpack_bits(data: torch.Tensor, n: int, width: int, what: str) -> torch.Tensor:
-    """Inverse of :func:`_pack_bits` for ``n`` values; raises a ValueError if a padding bit is set."""
+def _unpack_bits(data: torch.Tensor, n: int, width: int, what: str, field: str) -> torch.Tensor:
+    """Inverse of :func:`_pack_bits` for ``n`` values; raises a ValueError (``field``) if a padding bit is set."""
     bits = ((data.reshape(-1).to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)
     if bool((bits[n * width :] != 0).any()):
-        raise ValueError(f"{what}: non-zero padding bits.")
+        raise _Invalid(f"{what}: non-zero padding bits.", field)
     return (bits[: n * width].view(n, width) << torch.arange(width)).sum(dim=1)
 
 
@@ -150,18 +165,22 @@ def _unpack_idx(data: torch.Tensor, count: int, numel: int, what: str) -> torch.
     bits = index_bits(numel)
     split = _table_nbytes(count, numel)
     if split:
-        table = _unpack_bits(data[:split], num_blocks(numel), BLOCK_COUNT_BITS, f"{what} block-count table")
+        table = _unpack_bits(
+            data[:split], num_blocks(numel), BLOCK_COUNT_BITS, f"{what} block-count table", "index_table"
+        )
         sizes = _block_sizes(numel)
         over = (table > sizes).nonzero().reshape(-1)
         if over.numel():
             b = int(over[0])
-            raise ValueError(f"{what}: block {b} holds {int(table[b])} entries, more than its {int(sizes[b])} codes.")
+            raise _Invalid(
+                f"{what}: block {b} holds {int(table[b])} entries, more than its {int(sizes[b])} codes.", "index_table"
+            )
         if int(table.sum()) != count:
-            raise ValueError(f"{what}: block counts sum to {int(table.sum())}, the header says {count}.")
+            raise _Invalid(f"{what}: block counts sum to {int(table.sum())}, the header says {count}.", "index_table")
     body = data[split:]
     indices = codecs.unpack_indices(body, count, bits)
     if bits == 12 and not torch.equal(codecs.pack_indices(indices, bits), body):
-        raise ValueError(f"{what}: non-canonical index encoding (padding bits set).")
+        raise _Invalid(f"{what}: non-canonical index encoding (padding bits set).", "indices")
     if split:
         blocks = torch.repeat_interleave(torch.arange(table.numel(), dtype=torch.int64), table)
         indices = blocks * BLOCK + indices
@@ -170,25 +189,27 @@ def _unpack_idx(data: torch.Tensor, count: int, numel: int, what: str) -> torch.
 
 def _check_bytes(data: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-        raise ValueError(f"{what} must be a uint8 tensor, got {type(data).__name__} {getattr(data, 'dtype', '')}.")
+        raise _Invalid(
+            f"{what} must be a uint8 tensor, got {type(data).__name__} {getattr(data, 'dtype', '')}.", "bytes"
+        )
     data = data.reshape(-1).cpu()
     if data.numel() < HEADER_BYTES:
-        raise ValueError(f"{what} is {data.numel()} bytes, shorter than its {HEADER_BYTES}-byte header.")
+        raise _Invalid(f"{what} is {data.numel()} bytes, shorter than its {HEADER_BYTES}-byte header.", "length")
     return data
 
 
 def _check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise ValueError(f"{what}: index out of range [0, {numel}).")
+        raise _Invalid(f"{what}: index out of range [0, {numel}).", "indices")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise ValueError(f"{what}: indices must be strictly increasing.")
+        raise _Invalid(f"{what}: indices must be strictly increasing.", "indices")
 
 
 def _check_length(data: torch.Tensor, count: int, numel: int, expected: int, what: str) -> None:
     if count > numel:
-        raise ValueError(f"{what}: count {count} exceeds numel {numel}.")
+        raise _Invalid(f"{what}: count {count} exceeds numel {numel}.", "count")
     if data.numel() != expected:
-        raise ValueError(f"{what}: {data.numel()} bytes, expected {expected} for {count} entries.")
+        raise _Invalid(f"{what}: {data.numel()} bytes, expected {expected} for {count} entries.", "length")
 
 
 def encode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, encoding: str = "bf16") -> torch.Tensor:
@@ -216,18 +237,27 @@ def _check_low_bit_values(raw: torch.Tensor, count: int, encoding: str, what: st
     body = raw[: (count + per_byte - 1) // per_byte]
     scale = raw[body.numel() :].clone().view(torch.float32)
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-        raise ValueError(f"{what}: scale must be finite and >= 0, got {scale.tolist()}.")
+        raise _Invalid(f"{what}: scale must be finite and >= 0, got {scale.tolist()}.", "scale")
+    check_values(scale, what="scale")  # the decoded values are +-scale: bound it like a value
     shifts = torch.arange(per_byte, dtype=torch.int32) * width
     codes = ((body.to(torch.int32)[:, None] >> shifts) & ((1 << width) - 1)).reshape(-1)
     if bool((codes[count:] != 0).any()):
-        raise ValueError(f"{what}: non-zero padding bits.")
+        raise _Invalid(f"{what}: non-zero padding bits.", "padding")
     if encoding == "ternary" and bool((codes == 3).any()):
-        raise ValueError(f"{what}: invalid ternary code 3.")
+        raise _Invalid(f"{what}: invalid ternary code 3.", "values")
 
 
-def _refuse(what: str, peer: int | None, error: ValueError) -> PeerPayloadError:
+def _decoded(what: str, peer: int | None, decode: Callable[[], _T]) -> _T:
+    """``decode()``, with every error it raises turned into a PeerPayloadError naming ``peer`` and the field."""
     source = what if peer is None else f"{what} from rank {peer}"
-    return PeerPayloadError(f"{source} refused: {error}", peer)
+    try:
+        with peer_decoding(None, "payload"):  # an unexpected error (a tensor view, an allocation) is refused too
+            try:
+                return decode()
+            except _Invalid as error:
+                raise PeerPayloadError(str(error), None, error.field) from None
+    except PeerPayloadError as error:
+        raise PeerPayloadError(f"{source} refused: {error}", peer, error.field or "payload") from error.__cause__
 
 
 def decode_sparse(
@@ -248,12 +278,8 @@ def decode_sparse(
         PeerPayloadError: Any malformed input (see the module docstring); nothing is returned for it.
     """
     encoding = codecs.validate_value_encoding(encoding)
-    try:
-        return _decode_sparse(data, numel, encoding)
-    except PeerPayloadError:
-        raise
-    except ValueError as error:
-        raise _refuse("sparse message", peer, error) from None
+    index_bits(numel)  # a bad local numel is the caller's ValueError, not the peer's
+    return _decoded("sparse message", peer, lambda: _decode_sparse(data, numel, encoding))
 
 
 def _decode_sparse(data: torch.Tensor, numel: int, encoding: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +294,8 @@ def _decode_sparse(data: torch.Tensor, numel: int, encoding: str) -> tuple[torch
         _check_low_bit_values(raw, count, encoding, "sparse message")
     values = codecs.unpack_values(raw, 1 if count else 0, count if count else 0, encoding).reshape(-1)
     if not bool(torch.isfinite(values).all()):
-        raise ValueError("sparse message: values contain NaN or Inf.")
+        raise _Invalid("sparse message: values contain NaN or Inf.", "values")
+    check_values(values, what="values")  # finite alone is not enough: 3e38 + 3e38 overflows a sum of lists
     return indices, values
 
 
@@ -291,12 +318,8 @@ def decode_flips(data: torch.Tensor, numel: int, *, peer: int | None = None) -> 
     Raises:
         PeerPayloadError: Any malformed input (``peer``, the sending rank, is named in the message).
     """
-    try:
-        return _decode_flips(data, numel)
-    except PeerPayloadError:
-        raise
-    except ValueError as error:
-        raise _refuse("flip message", peer, error) from None
+    index_bits(numel)
+    return _decoded("flip message", peer, lambda: _decode_flips(data, numel))
 
 
 def _decode_flips(data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,5 +329,5 @@ def _decode_flips(data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.T
     split = HEADER_BYTES + index_section_nbytes(count, numel)
     indices = _unpack_idx(data[HEADER_BYTES:split], count, numel, "flip message")
     _check_indices(indices, numel, "flip message")
-    flags = _unpack_bits(data[split:], count, 1, "flip message")
+    flags = _unpack_bits(data[split:], count, 1, "flip message", "directions")
     return indices, (1 - 2 * flags).to(torch.int8)

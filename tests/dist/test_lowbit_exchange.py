@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from lightning_hetero.comm import ByteLedger
+from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.lowbit import CodeLayout, SparseFlipExchange, convert_model, exchange_bytes
+from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(180)
@@ -128,3 +130,42 @@ def test_empty_lists(results: list[dict[str, Any]]) -> None:
         4 * (world - 1),
         4 * (world - 1),
     )
+
+
+HUGE = 3e38  # finite in fp32; two ranks' lists of it sum to Inf
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        result = fn()
+        return [t.tolist() for t in result] if isinstance(result, tuple) else result.tolist()
+    except PeerPayloadError as error:
+        return f"PeerPayloadError(peer={error.peer}, field={error.field}): {error}"
+
+
+def _overflowing_lists(rank: int, world: int) -> dict[str, Any]:
+    """Every rank sends a list finite alone (3e38 at the same index) whose sum over the ranks is Inf."""
+    grad = torch.zeros(50)
+    grad[7] = HUGE
+    out: dict[str, Any] = {}
+    for policy in ("raise", "drop"):
+        average = SparseGradientAverage(50, 0.1, "fp32", on_bad_payload=policy)
+        out[f"fp_{policy}"] = _outcome(lambda average=average: average.average(grad))
+        out[f"fp_{policy}_dropped"] = average.dropped_payloads
+        for mode in ("server", "allgather"):
+            exchange = SparseFlipExchange(50, 4, density=0.1, encoding="fp32", mode=mode, on_bad_payload=policy)
+            out[f"{mode}_{policy}"] = _outcome(
+                lambda exchange=exchange: exchange.step(grad, torch.zeros(50, dtype=torch.int8))
+            )
+    return out
+
+
+def test_lists_finite_alone_that_overflow_together_are_refused_or_dropped_on_every_rank() -> None:
+    results = run_distributed(_overflowing_lists, 2, timeout=150)
+    for rank, result in enumerate(results):
+        assert result["fp_raise"].startswith("PeerPayloadError(peer=0, field=values)"), (rank, result["fp_raise"])
+        assert "magnitude 3e+38" in result["fp_raise"]
+        assert result["fp_drop"] == [0.0] * 50 and result["fp_drop_dropped"] == 2  # no Inf, no 3e38: both left out
+        for mode in ("server", "allgather"):
+            assert result[f"{mode}_raise"].startswith("PeerPayloadError"), (rank, mode, result[f"{mode}_raise"])
+            assert result[f"{mode}_drop"] == [[], []], (rank, mode, result[f"{mode}_drop"])

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.comm import ByteLedger
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
 from lightning_hetero.lowbit import (
     SparseFlipExchange,
     aggregate_flips,
@@ -354,7 +355,8 @@ def test_fuzz_blocked_tables_decode_only_to_valid_lists(
     else:
         assert flips_valid and idx.tolist() == expected and dirs.numel() == count
     value_bytes = list(tail[: 2 * count])
-    finite = bool(torch.isfinite(torch.tensor(value_bytes, dtype=torch.uint8).view(torch.bfloat16)).all())
+    decoded = torch.tensor(value_bytes, dtype=torch.uint8).view(torch.bfloat16).float()
+    finite = bool(torch.isfinite(decoded).all()) and bool((decoded.abs() <= MAX_PEER_MAGNITUDE).all())
     try:
         idx, values = decode_sparse(_message(count, section, value_bytes), numel, "bf16")
     except ValueError:
