@@ -1,9 +1,10 @@
 """Log what each optimizer step put on the wire, and how long that would take on a slow link.
 
 :class:`CommunicationMonitor` is a thin Lightning view over the process-global
-:class:`~lightning_hetero.comm.ByteLedger`: it stamps the ledger with ``trainer.global_step`` at the start of every
-training batch, so all micro-batches of one optimizer step (gradient accumulation) land in the same step bucket, and
-logs the bucket when the optimizer step completes.
+:class:`~lightning_hetero.comm.ByteLedger`. It cuts the ledger's traffic at step boundaries: setup (fit start until the
+first training batch), each optimizer step (all its micro-batches), and what falls between steps (validation). Under
+stock DDP it also counts the gradient all-reduce (:mod:`lightning_hetero.comm.ddp_hook`); what it cannot count
+(FSDP/FSDP2 collectives, Lightning's own metric syncs) it states once at fit start (:func:`describe_coverage`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_hetero.comm.ledger import ByteLedger, LedgerTotals, get_ledger, validate_label
+from lightning_hetero.comm.ddp_hook import ddp_uncounted_traffic, register_counted_allreduce
+from lightning_hetero.comm.ledger import INTER, INTRA, SETUP_STEP, ByteLedger, LedgerTotals, get_ledger, validate_label
 from lightning_hetero.comm.units import parse_bandwidth
 
-__all__ = ["CommunicationMonitor"]
+__all__ = ["CommunicationMonitor", "describe_coverage"]
+
+_SETUP, _STEP, _BETWEEN = "setup", "step", "between"  # where the traffic since the last boundary belongs
 
 
 class CommunicationMonitor(Callback):
@@ -27,9 +34,14 @@ class CommunicationMonitor(Callback):
     For every label, after every ``log_every_n_steps``-th optimizer step, it logs:
 
     - ``comm/{label}/bytes_sent_step`` and ``comm/{label}/bytes_received_step``: bytes of the step that just
-      finished (all its micro-batches, including the optimizer step itself);
-    - ``comm/{label}/bytes_sent_total``: bytes sent since the fit began, plus the totals restored from a checkpoint.
-      This includes traffic outside training steps (e.g. validation, sanity check);
+      finished, from the start of its first micro-batch to the end of its last (including the optimizer step);
+    - ``comm/{label}/bytes_sent_total``: the sum of ``bytes_sent_step`` over every optimizer step since the fit
+      began (logged or not), plus the totals restored from a checkpoint;
+    - ``comm/{label}/bytes_sent_setup`` and ``comm/{label}/bytes_received_setup``, once, with the first logged step:
+      traffic from the start of the fit to its first training batch (a strategy's initial model broadcast, checkpoint
+      restore, the sanity check), never part of a step or the total;
+    - ``comm/{label}/bytes_sent_between_steps``: traffic after setup but outside optimizer steps (validation, the
+      end of an epoch), cumulative since the fit began plus restored;
     - ``comm/{label}/seconds_at_{bw}`` for each bandwidth: ``max(sent, received) * 8 / bits_per_second`` of that step,
       the time a full-duplex link of that rate would need. ``{bw}`` is the bandwidth string as given, lower-cased
       with spaces removed (``"1gbit"`` -> ``comm/inter/seconds_at_1gbit``).
@@ -43,12 +55,21 @@ class CommunicationMonitor(Callback):
     with ``labels=None``, every label that has had traffic since the fit began (or has restored totals) is logged,
     so a single-process run without communication logs nothing.
 
+    What is counted: every call of :mod:`lightning_hetero.comm` (all traffic of our strategies' algorithms) and,
+    when the strategy wraps the model in stock ``DistributedDataParallel``, its gradient all-reduce, measured bucket
+    by bucket through a DDP comm hook this callback registers (label ``ddp_label``). Not counted, and stated once
+    at fit start on rank 0 (also in :attr:`coverage`): FSDP and FSDP2 (``fully_shard``) all-gathers and
+    reduce-scatters (including FlexDeMo's intra-node FSDP2), DDP's buffer broadcasts, other strategies' own
+    collectives and Lightning's (``self.log(sync_dist=True)``, ``strategy.broadcast``/``barrier``).
+
     Args:
         bandwidths: Link rates to project onto, in ``tc`` syntax (``"1gbit"``, ``"100mbit"``, ``"10mbps"`` = bytes/s);
             see :func:`lightning_hetero.comm.parse_bandwidth`.
         labels: Labels to always log; None logs every label seen.
         log_every_n_steps: Log after every n-th optimizer step (counting from the first).
         prog_bar: Also show the metrics in the progress bar.
+        ddp_label: Label of stock DDP's gradient all-reduce; None: ``"inter"`` when the Trainer has several nodes,
+            else ``"intra"``.
 
     Example (LightningCLI YAML)::
 
@@ -66,6 +87,7 @@ class CommunicationMonitor(Callback):
         labels: Sequence[str] | None = None,
         log_every_n_steps: int = 1,
         prog_bar: bool = False,
+        ddp_label: str | None = None,
     ) -> None:
         if isinstance(bandwidths, str):
             bandwidths = [bandwidths]  # a lone "1gbit" would otherwise be iterated character by character
@@ -81,15 +103,26 @@ class CommunicationMonitor(Callback):
                     validate_label(label)
                 except ValueError as error:
                     raise ValueError(f"CommunicationMonitor(labels=...): {error}") from None
+        if ddp_label is not None:
+            try:
+                validate_label(ddp_label)
+            except ValueError as error:
+                raise ValueError(f"CommunicationMonitor(ddp_label=...): {error}") from None
         if log_every_n_steps < 1:
             raise ValueError(f"CommunicationMonitor(log_every_n_steps={log_every_n_steps}) must be >= 1.")
         self.bandwidths = list(bandwidths)
         self.labels = None if labels is None else list(labels)
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
-        self._totals: dict[str, LedgerTotals] = {}  # since fit start + restored
-        self._ledger_seen: dict[str, LedgerTotals] = {}  # ledger cumulative totals at the last accounting
+        self.ddp_label = ddp_label
+        self._totals: dict[str, LedgerTotals] = {}  # sum of optimizer steps since fit start + restored
+        self._between: dict[str, LedgerTotals] = {}  # outside steps after setup, since fit start + restored
+        self._setup: dict[str, LedgerTotals] = {}  # this fit's setup
+        self._setup_logged = False
+        self._snapshot: dict[str, LedgerTotals] = {}  # ledger cumulative totals at the last boundary
+        self._phase = _SETUP
         self._step_at_batch_start = 0
+        self._coverage = ""
 
     @property
     def ledger(self) -> ByteLedger:
@@ -100,13 +133,44 @@ class CommunicationMonitor(Callback):
         """Cumulative totals of ``label`` as this callback reports them (since fit start, plus restored)."""
         return self._totals.get(label, LedgerTotals())
 
+    def setup_totals(self, label: str) -> LedgerTotals:
+        """This fit's setup traffic of ``label``: from fit start until its first training batch."""
+        return self._setup.get(label, LedgerTotals())
+
+    def between_steps_totals(self, label: str) -> LedgerTotals:
+        """Traffic of ``label`` after setup outside optimizer steps (e.g. validation): since fit start + restored."""
+        return self._between.get(label, LedgerTotals())
+
+    @property
+    def coverage(self) -> str:
+        """What this fit's metrics count and what they do not (stated once at fit start, on rank 0)."""
+        return self._coverage
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        # Runs before the strategy's setup: its initial broadcast and the sanity check are setup traffic.
+        self.ledger.set_step(SETUP_STEP)
+        self._snapshot = self._ledger_totals()
+        self._phase = _SETUP
+        self._setup = {}
+        self._setup_logged = False
+
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Only traffic from here on counts toward this fit's totals.
-        self._ledger_seen = {label: self.ledger.totals(label) for label in self.ledger.labels()}
+        self._coverage = describe_coverage(trainer, self.ddp_label, count_ddp=True)
+        if self._coverage:
+            rank_zero_info(self._coverage)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._phase != _STEP:  # the first micro-batch of an optimizer step: close what came before
+            delta = self._take_delta()
+            target = self._setup if self._phase == _SETUP else self._between
+            for label, totals in delta.items():
+                target[label] = target.get(label, LedgerTotals()) + totals
+            self._phase = _STEP
         self._step_at_batch_start = trainer.global_step
         self.ledger.set_step(trainer.global_step)
 
@@ -117,34 +181,48 @@ class CommunicationMonitor(Callback):
         if trainer.global_step == self._step_at_batch_start:
             return  # gradient accumulation: the optimizer step has not happened yet
         finished_step = self._step_at_batch_start
-        self._accumulate_totals()
+        this_step = self._take_delta()
+        for label, totals in this_step.items():
+            self._totals[label] = self.totals(label) + totals
+        self._phase = _BETWEEN
         if (finished_step + 1) % self.log_every_n_steps == 0:
-            self._log_step(pl_module, finished_step)
+            self._log_step(pl_module, finished_step, this_step)
 
-    def _accumulate_totals(self) -> None:
-        for label in self.ledger.labels():
-            now = self.ledger.totals(label)
-            before = self._ledger_seen.get(label, LedgerTotals())
+    def _ledger_totals(self) -> dict[str, LedgerTotals]:
+        return {label: self.ledger.totals(label) for label in self.ledger.labels()}
+
+    def _take_delta(self) -> dict[str, LedgerTotals]:
+        """Traffic per label since the last boundary; moves the boundary to now."""
+        now = self._ledger_totals()
+        delta = {}
+        for label, totals in now.items():
+            before = self._snapshot.get(label, LedgerTotals())
             # A ledger.reset() since the last look makes the difference negative: count everything since the reset.
-            delta = now - before if now.calls >= before.calls else now
-            self._ledger_seen[label] = now
-            if delta.calls:
-                self._totals[label] = self.totals(label) + delta
+            change = totals - before if totals.calls >= before.calls else totals
+            if change.calls:
+                delta[label] = change
+        self._snapshot = now
+        return delta
 
-    def _log_step(self, pl_module: LightningModule, step: int) -> None:
-        step_totals = self.ledger.step_totals(step)
-        labels = self.labels if self.labels is not None else list(self._totals)
+    def _log_step(self, pl_module: LightningModule, step: int, step_totals: dict[str, LedgerTotals]) -> None:
+        seen = [*self._totals, *self._setup, *self._between]
+        labels = self.labels if self.labels is not None else list(dict.fromkeys(seen))
         metrics: dict[str, float] = {}
         for label in labels:
             this_step = step_totals.get(label, LedgerTotals())
             metrics[f"comm/{label}/bytes_sent_step"] = this_step.sent
             metrics[f"comm/{label}/bytes_received_step"] = this_step.received
             metrics[f"comm/{label}/bytes_sent_total"] = self.totals(label).sent
+            metrics[f"comm/{label}/bytes_sent_between_steps"] = self.between_steps_totals(label).sent
+            if not self._setup_logged:
+                metrics[f"comm/{label}/bytes_sent_setup"] = self.setup_totals(label).sent
+                metrics[f"comm/{label}/bytes_received_setup"] = self.setup_totals(label).received
             busiest_direction_bits = max(this_step.sent, this_step.received) * 8
             for name, bits_per_second in self.bits_per_second.items():
                 metrics[f"comm/{label}/seconds_at_{name}"] = busiest_direction_bits / bits_per_second
         if not metrics:  # nothing communicated and no labels requested: no empty rows in the loggers
             return
+        self._setup_logged = True
         # callback_metrics and the progress bar go through self.log. The loggers are written directly, as
         # LearningRateMonitor does: self.log from a callback would repeat the last value at every step we skip.
         for name, value in metrics.items():
@@ -162,11 +240,66 @@ class CommunicationMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": {label: totals.to_dict() for label, totals in self._totals.items()}}
+        return {
+            "totals": {label: totals.to_dict() for label, totals in self._totals.items()},
+            "between_steps": {label: totals.to_dict() for label, totals in self._between.items()},
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._totals = {
-            label: LedgerTotals(int(v["sent"]), int(v["received"]), int(v["calls"]))
-            for label, v in state_dict.get("totals", {}).items()
-        }
+        self._totals = _totals_from(state_dict.get("totals", {}))
+        self._between = _totals_from(state_dict.get("between_steps", {}))
+
+
+def _totals_from(entries: dict[str, Any]) -> dict[str, LedgerTotals]:
+    return {label: LedgerTotals(int(v["sent"]), int(v["received"]), int(v["calls"])) for label, v in entries.items()}
+
+
+def describe_coverage(trainer: Trainer, ddp_label: str | None = None, count_ddp: bool = False) -> str:
+    """What the ``comm/*`` metrics count in this run and what they do not; empty for a single process.
+
+    Args:
+        trainer: A Trainer whose strategy is set up (``on_fit_start`` or later).
+        ddp_label: Label for stock DDP's gradient all-reduce (None: ``"inter"`` with several nodes, else ``"intra"``).
+        count_ddp: Register the counted all-reduce hook when the model is wrapped in stock DDP.
+    """
+    if trainer.world_size <= 1:
+        return ""
+    strategy = trainer.strategy
+    model = strategy.model if strategy.model is not None else trainer.lightning_module
+    counted = ["every lightning_hetero.comm collective (all traffic of lightning_hetero's algorithms)"]
+    missing: list[str] = []
+    if isinstance(model, DistributedDataParallel):
+        label = ddp_label or (INTER if trainer.num_nodes > 1 else INTRA)
+        if count_ddp and _count_ddp_allreduce(model, label):
+            counted.append(f"stock DDP's gradient all-reduce, measured per bucket (label {label!r})")
+        else:
+            missing.append("DDP's gradient all-reduce (another DDP comm hook is registered, e.g. ddp_comm_hook=)")
+        missing.extend(ddp_uncounted_traffic(model))
+    modules = list(model.modules()) if model is not None else []
+    fsdp1 = sum(isinstance(module, FullyShardedDataParallel) for module in modules)
+    fsdp2 = sum(isinstance(module, FSDPModule) for module in modules)
+    if fsdp1:
+        missing.append(f"FSDP's parameter all-gathers and gradient reduce-scatters ({fsdp1} FSDP unit(s))")
+    if fsdp2:
+        missing.append(
+            f"FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters ({fsdp2} module(s); under "
+            "FlexDeMo this is the intra-node shard group, whose inter-node replica traffic is counted)"
+        )
+    ours = type(strategy).__module__.startswith("lightning_hetero.")
+    if not (ours or fsdp1 or fsdp2 or isinstance(model, DistributedDataParallel)):
+        missing.append(f"every collective of {type(strategy).__name__} (it does not use lightning_hetero.comm)")
+    missing.append(
+        "Lightning's own collectives: self.log(..., sync_dist=True) reductions and strategy.broadcast/barrier/"
+        "all_gather"
+    )
+    return f"CommunicationMonitor counts {'; '.join(counted)}. NOT counted in comm/* metrics: {'; '.join(missing)}."
+
+
+def _count_ddp_allreduce(model: DistributedDataParallel, label: str) -> bool:
+    """Register the counted all-reduce hook; False when DDP already has another comm hook (it allows only one)."""
+    try:
+        register_counted_allreduce(model, label)
+    except RuntimeError:
+        return False
+    return True

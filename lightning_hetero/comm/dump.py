@@ -7,6 +7,9 @@ exits normally. :func:`load_ledger_dumps` reads them back. The file holds cumula
     {"rank": 0, "node_rank": 0, "local_rank": 0, "pid": 123,
      "totals": {"inter": {"sent": 1, "received": 1, "calls": 1}},
      "steps": {"0": {"inter": {"sent": 1, "received": 1, "calls": 1}}}}
+
+Step ``"-1"`` (:data:`~lightning_hetero.comm.ledger.SETUP_STEP`) holds the traffic before the first step boundary
+(e.g. a strategy's initial model broadcast), so step ``"0"`` holds only step 0's own traffic.
 """
 
 from __future__ import annotations

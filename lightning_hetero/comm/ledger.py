@@ -12,6 +12,11 @@ collective, and bounded in memory for arbitrarily long runs:
 :func:`wire_bytes` is the counting rule itself, a pure function (documented in
 :mod:`lightning_hetero.comm.collectives` and ``docs/communication.md``).
 
+Steps: every record carries the ledger's current :attr:`ByteLedger.step`. A new ledger starts at :data:`SETUP_STEP`
+(``-1``), so traffic before the first step boundary (a strategy's initial model broadcast, checkpoint restore, the
+sanity check) lands in its own bucket instead of inflating step 0; :class:`CommunicationMonitor` re-marks the setup
+phase at the start of every fit and logs it once as ``comm/<label>/bytes_sent_setup``.
+
 Labels say which link a call used. :data:`INTRA` (inside a node), :data:`INTER` (between nodes) and
 :data:`PIPELINE` (stage boundaries) are the standard ones; any non-empty string is allowed.
 
@@ -33,6 +38,7 @@ __all__ = [
     "INTER",
     "INTRA",
     "PIPELINE",
+    "SETUP_STEP",
     "STANDARD_LABELS",
     "ByteLedger",
     "CommRecord",
@@ -49,6 +55,9 @@ INTER = "inter"
 PIPELINE = "pipeline"
 """Activations and gradients crossing a pipeline stage boundary."""
 STANDARD_LABELS: tuple[str, ...] = (INTRA, INTER, PIPELINE)
+
+SETUP_STEP = -1
+"""The step of traffic before the first step boundary: a new ledger starts here (see the module docstring)."""
 
 _STATE_VERSION = 1
 
@@ -145,7 +154,7 @@ class ByteLedger:
         self.max_records = max_records
         self.max_steps_kept = max_steps_kept
         self._lock = threading.RLock()  # async work and callbacks may record from other threads
-        self._step = 0
+        self._step = SETUP_STEP  # nothing has marked a training step yet
         self._totals: dict[str, LedgerTotals] = {}
         self._step_totals: OrderedDict[int, dict[str, LedgerTotals]] = OrderedDict()
         self._records: deque[CommRecord] = deque(maxlen=max_records)
@@ -154,7 +163,7 @@ class ByteLedger:
     # ----------------------------------------------------------------------------------------------- step
     @property
     def step(self) -> int:
-        """The step stamped on new records (the callback sets it to ``trainer.global_step``)."""
+        """The step stamped on new records: :data:`SETUP_STEP` until set (the callback sets ``trainer.global_step``)."""
         return self._step
 
     @step.setter

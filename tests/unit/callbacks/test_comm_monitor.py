@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero.callbacks import CommunicationMonitor
-from lightning_hetero.comm import INTER, INTRA, PIPELINE, LedgerTotals, get_ledger
+from lightning_hetero.comm import INTER, INTRA, PIPELINE, SETUP_STEP, LedgerTotals, get_ledger
 
 
 class _TinyModule(LightningModule):
@@ -143,14 +143,69 @@ def test_totals_count_only_this_fit_and_survive_a_checkpoint(tmp_path: Path) -> 
     assert _metric(trainer, "comm/inter/bytes_sent_total") == 4000  # 2 restored steps + 2 new ones
 
 
+class _SetupChattyModule(_TinyModule):
+    """Sends 5000 bytes in ``setup`` (like a strategy's initial broadcast), 300 per validation batch, 1000 per step."""
+
+    def setup(self, stage: str) -> None:
+        get_ledger().record("broadcast", INTER, payload_bytes=5000, sent=5000, received=0, group_size=2)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        get_ledger().record("all_reduce", INTER, payload_bytes=300, sent=300, received=300, group_size=2)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2)
+
+
+def test_setup_traffic_is_its_own_figure_and_total_is_the_sum_of_steps(tmp_path: Path) -> None:
+    get_ledger().set_step(0)  # a previous run left the ledger at step 0: fit start must still separate setup
+    monitor = CommunicationMonitor()
+    trainer = _fit(
+        monitor,
+        tmp_path,
+        module=_SetupChattyModule(constant_bytes=1000),
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        val_check_interval=2,
+    )
+    # step 0 is like every other step; its projected seconds too
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_step") == [(0, 1000), (1, 1000), (2, 1000), (3, 1000)]
+    assert _logged_rows(trainer, "comm/inter/seconds_at_1gbit") == [(step, 1000 * 8 / 1e9) for step in range(4)]
+    # total == sum of the steps
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_total") == [(0, 1000), (1, 2000), (2, 3000), (3, 4000)]
+    # setup (the broadcast in setup() plus the sanity-check validation batch) is logged once, with the first step
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_setup") == [(0, 5300)]
+    assert _logged_rows(trainer, "comm/inter/bytes_received_setup") == [(0, 300)]
+    assert monitor.setup_totals(INTER) == LedgerTotals(sent=5300, received=300, calls=2)
+    # validation after step 1 is neither setup nor a step
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_between_steps") == [(0, 0), (1, 0), (2, 300), (3, 300)]
+    assert monitor.totals(INTER) == LedgerTotals(sent=4000, received=2000, calls=4)
+    # the ledger itself keeps setup traffic out of step 0's bucket
+    assert get_ledger().step_totals(SETUP_STEP)[INTER] == LedgerTotals(sent=5300, received=300, calls=2)
+    assert get_ledger().step_totals(0)[INTER] == LedgerTotals(sent=1000, received=500, calls=1)
+
+
+def test_a_second_fit_in_the_same_process_counts_its_own_steps(tmp_path: Path) -> None:
+    _fit(CommunicationMonitor(), tmp_path / "first", module=_TinyModule(constant_bytes=1000), max_steps=2)
+    trainer = _fit(CommunicationMonitor(), tmp_path / "second", module=_TinyModule(constant_bytes=10), max_steps=2)
+    # the ledger's step-0 bucket now holds both fits; the callback reports only this fit's step
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_step") == [(0, 10), (1, 10)]
+    assert _logged_rows(trainer, "comm/inter/bytes_sent_total") == [(0, 10), (1, 20)]
+
+
 def test_state_dict_round_trip() -> None:
     monitor = CommunicationMonitor()
-    monitor.load_state_dict({"totals": {INTER: {"sent": 5, "received": 6, "calls": 7}}})
+    monitor.load_state_dict({"totals": {INTER: {"sent": 5, "received": 6, "calls": 7}}})  # a checkpoint of before
     assert monitor.totals(INTER) == LedgerTotals(5, 6, 7)
-    assert monitor.state_dict() == {"totals": {INTER: {"sent": 5, "received": 6, "calls": 7}}}
+    assert monitor.between_steps_totals(INTER) == LedgerTotals()
+    monitor.load_state_dict({**monitor.state_dict(), "between_steps": {INTER: {"sent": 1, "received": 2, "calls": 3}}})
+    assert monitor.state_dict() == {
+        "totals": {INTER: {"sent": 5, "received": 6, "calls": 7}},
+        "between_steps": {INTER: {"sent": 1, "received": 2, "calls": 3}},
+    }
     copy = CommunicationMonitor()
     copy.load_state_dict(monitor.state_dict())
     assert copy.totals(INTER) == LedgerTotals(5, 6, 7)
+    assert copy.between_steps_totals(INTER) == LedgerTotals(1, 2, 3)
     assert copy.totals(INTRA) == LedgerTotals()
 
 
@@ -164,6 +219,8 @@ def test_bad_bandwidth_fails_at_construction_naming_the_argument(bad: str) -> No
 def test_other_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"CommunicationMonitor\(labels=\.\.\.\)"):
         CommunicationMonitor(labels=[""])
+    with pytest.raises(ValueError, match=r"CommunicationMonitor\(ddp_label=\.\.\.\)"):
+        CommunicationMonitor(ddp_label="")
     with pytest.raises(ValueError, match=r"log_every_n_steps=0"):
         CommunicationMonitor(log_every_n_steps=0)
     assert CommunicationMonitor(bandwidths="1gbit").bits_per_second == {"1gbit": 1e9}  # type: ignore[arg-type]

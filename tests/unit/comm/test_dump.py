@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from lightning_hetero.comm import INTER, ByteLedger, dump_ledger, load_ledger_dumps
+from lightning_hetero.comm import INTER, SETUP_STEP, ByteLedger, dump_ledger, load_ledger_dumps
 
 SCRIPT = """
 from lightning_hetero.comm import get_ledger
@@ -42,3 +42,20 @@ def test_dump_private_ledger(tmp_path):
     path = dump_ledger(tmp_path, ledger)
     (loaded,) = load_ledger_dumps(tmp_path)
     assert path.exists() and loaded["totals"][INTER]["calls"] == 1
+
+
+def test_setup_traffic_is_dumped_under_step_minus_one(tmp_path):
+    script = (
+        "from lightning_hetero.comm import get_ledger\n"
+        "get_ledger().record('broadcast', 'inter', payload_bytes=64, sent=64, received=0, group_size=2)\n"
+        "get_ledger().set_step(0)\n"
+        "get_ledger().record('all_reduce', 'inter', payload_bytes=8, sent=8, received=8, group_size=2)\n"
+    )
+    env = {**os.environ, "LIGHTNING_HETERO_LEDGER_DIR": str(tmp_path), "RANK": "0"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    (dump,) = load_ledger_dumps(tmp_path)
+    assert dump["steps"] == {
+        str(SETUP_STEP): {"inter": {"sent": 64, "received": 0, "calls": 1}},
+        "0": {"inter": {"sent": 8, "received": 8, "calls": 1}},
+    }
+    assert dump["totals"]["inter"] == {"sent": 72, "received": 8, "calls": 2}

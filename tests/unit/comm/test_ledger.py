@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.comm import INTER, INTRA, PIPELINE, ByteLedger, CommRecord, LedgerTotals, get_ledger, wire_bytes
+from lightning_hetero.comm import (
+    INTER,
+    INTRA,
+    PIPELINE,
+    SETUP_STEP,
+    ByteLedger,
+    CommRecord,
+    LedgerTotals,
+    get_ledger,
+    wire_bytes,
+)
 
 
 def _record(ledger: ByteLedger, label: str, sent: int, received: int, op: str = "all_gather") -> CommRecord:
@@ -206,3 +216,15 @@ def test_wire_bytes_rejects_bad_input() -> None:
         wire_bytes("all_reduce", -1, 2)
     with pytest.raises(ValueError, match="group_size >= 1"):
         wire_bytes("all_reduce", 1, 0)
+
+
+def test_traffic_before_the_first_step_boundary_is_setup() -> None:
+    ledger = ByteLedger()
+    assert ledger.step == SETUP_STEP == -1
+    _record(ledger, INTER, 500, 500)  # e.g. the initial model broadcast of a strategy's setup
+    ledger.set_step(0)
+    _record(ledger, INTER, 7, 7)
+    assert ledger.step_totals(SETUP_STEP) == {INTER: LedgerTotals(500, 500, 1)}
+    assert ledger.step_totals(0) == {INTER: LedgerTotals(7, 7, 1)}  # step 0 holds only its own traffic
+    assert ledger.steps() == [SETUP_STEP, 0]
+    assert [record.step for record in ledger.records()] == [SETUP_STEP, 0]
