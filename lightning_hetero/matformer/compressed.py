@@ -14,7 +14,10 @@ in one dtype) keeps an fp32 error-feedback buffer on every member. Per step and 
 
 A bucket holds only slabs the rank trained (helpers, which send zeros for untrained neurons, are rejected), so no
 untrained coordinate is ever encoded. Single-member buckets are exact and send nothing. The buffers are per rank;
-:meth:`CompressedExchange.gather_state` collects them on rank 0 for the (single) checkpoint file.
+:meth:`CompressedExchange.gather_state` collects them on rank 0 for the (single) checkpoint file. Rank 0 trains every
+coordinate (tier 0), so every other rank's buckets are some of its own: it refuses an announced count above its own
+total before allocating, and :func:`decode_error_feedback` refuses keys that are not its own buckets and NaN/Inf or
+out-of-bound values, with a :class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the rank and the field.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import PeerPayloadError, validate_on_bad_payload
+from lightning_hetero.comm.validation import (
+    PeerPayloadError,
+    check_announced_size,
+    check_values,
+    peer_decoding,
+    validate_on_bad_payload,
+)
 from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, build_replicator
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.tiers import HelperConfig, TierLayout, layer_regions
@@ -44,6 +53,7 @@ __all__ = [
     "CompressedExchange",
     "build_demo_replicator",
     "check_demo_arguments",
+    "decode_error_feedback",
     "demo_bytes_per_step",
     "demo_payload_bytes",
 ]
@@ -238,10 +248,25 @@ class CompressedExchange:
 
         The sizes travel first (one small all-gather), then each rank sends its keys and its buffers concatenated to
         rank 0 (point to point, so only rank 0 holds more than its own state), labelled :data:`CHECKPOINT_LABEL`.
+        Rank 0 bounds every announced size by its own buffers before allocating (it is a member of every rank set,
+        so another rank's buffers are some of its own) and decodes with :func:`decode_error_feedback`.
+
+        Raises:
+            ValueError: Global rank 0 is not a member of every multi-rank set (it does not train every coordinate),
+                so it could not bound what the others send; raised on every rank before anything is sent.
+            PeerPayloadError: A rank announced more keys or values than rank 0's own buckets hold, or sent keys or
+                values that do not describe rank 0's buckets; names the rank and the field.
         """
         state = self.state_dict()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [{key: value.cpu() for key, value in state.items()}]
+        uncovered = [members for members in self.groups.member_sets if len(members) > 1 and 0 not in members]
+        if uncovered:
+            raise ValueError(
+                f"CompressedExchange.gather_state: ranks {uncovered[0]} share a bucket without global rank 0, so rank 0"
+                " cannot bound the error-feedback buffers it collects. Give rank 0 the full width of every layer "
+                "(tier 0), as MatFormerStrategy requires."
+            )
         world, rank = dist.get_world_size(), dist.get_rank()
         keys = json.dumps(list(state)).encode()
         flat = torch.cat([v.to(device) for v in state.values()]) if state else torch.zeros(0, device=device)
@@ -255,25 +280,75 @@ class CompressedExchange:
             if flat.numel():
                 comm.send(flat, 0, label=CHECKPOINT_LABEL)
             return None
+        limit = sum(value.numel() for value in state.values())
         out = [{key: value.cpu() for key, value in state.items()}]
         for source in range(1, world):
-            key_bytes, numel = every_size[source]
-            if not (0 <= key_bytes <= _MAX_KEY_BYTES and numel >= 0):
-                raise PeerPayloadError(
-                    f"rank {source} announced {key_bytes} key bytes and {numel} error-feedback values; refusing"
-                    f" (keys are at most {_MAX_KEY_BYTES} bytes, counts are >= 0).",
-                    source,
-                )
+            key_bytes = check_announced_size(
+                every_size[source][0], _MAX_KEY_BYTES, peer=source, what="error_feedback.key_bytes"
+            )
+            numel = check_announced_size(every_size[source][1], limit, peer=source, what="error_feedback.numel")
             raw = torch.empty(key_bytes, dtype=torch.uint8, device=device)
             values = torch.empty(numel, dtype=torch.float32, device=device)
             if key_bytes:
                 comm.recv(raw, source, label=CHECKPOINT_LABEL)
             if numel:
                 comm.recv(values, source, label=CHECKPOINT_LABEL)
-            names = _bucket_names(raw, source, numel) if key_bytes else []
-            numels = [int(name.rsplit("|", 1)[1]) for name in names]
-            out.append(dict(zip(names, (v.clone() for v in values.cpu().split(numels)), strict=True)))
+            out.append(decode_error_feedback(raw, values, source=source, allowed=state))
         return out
+
+
+def decode_error_feedback(
+    raw: torch.Tensor, values: torch.Tensor, *, source: int, allowed: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """Rank ``source``'s error-feedback buffers from its key bytes and values: bytes -> tensors, checked.
+
+    Args:
+        raw: The UTF-8 JSON list of bucket keys (``uint8``; empty when the rank holds no buffer).
+        values: Every buffer concatenated (float32), in key order.
+        source: The sending rank, named by every error.
+        allowed: The bucket keys the receiver itself holds (rank 0 is a member of every rank set).
+
+    Returns:
+        One CPU float32 tensor per key, of the key's size.
+
+    Raises:
+        PeerPayloadError: Unreadable keys, keys that do not cover the values, a repeated key, a key that is not one of
+            ``allowed`` or of a rank set without ``source`` (field ``"error_feedback.keys"``), or NaN, Inf or values
+            above the magnitude bound (field ``"error_feedback.values"``).
+    """
+    with peer_decoding(source, "error_feedback.keys"):
+        if raw.numel():
+            names = _bucket_names(raw, source, values.numel())
+        elif values.numel():
+            raise PeerPayloadError(
+                f"rank {source} sent {values.numel()} error-feedback values without bucket keys; refusing them.",
+                source,
+                "error_feedback.keys",
+            )
+        else:
+            names = []
+        bad = next((name for name in names if name not in allowed or source not in _members(name)), None)
+        if bad is not None or len(set(names)) != len(names):
+            problem = "a repeated key" if bad is None else f"key {bad[:80]!r}, not a bucket of rank 0 shared with it"
+            raise PeerPayloadError(
+                f"rank {source} sent error-feedback buffers with {problem}; refusing to checkpoint them.",
+                source,
+                "error_feedback.keys",
+            )
+    with peer_decoding(source, "error_feedback.values"):
+        check_values(values, peer=source, what="error_feedback.values")
+        numels = [int(name.rsplit("|", 1)[1]) for name in names]
+        return dict(zip(names, (v.clone() for v in values.detach().cpu().split(numels)), strict=True))
+
+
+def _members(name: str) -> tuple[int, ...]:
+    """The rank set of a bucket key ``"0,1,2|dtype|numel"`` (empty when it is not a list of ranks)."""
+    text = name.split("|", 1)[0]
+    return (
+        tuple(int(part) for part in text.split(","))
+        if all(p.isascii() and p.isdigit() for p in text.split(","))
+        else ()
+    )
 
 
 def _bucket_names(raw: torch.Tensor, source: int, numel: int) -> list[str]:
@@ -281,14 +356,17 @@ def _bucket_names(raw: torch.Tensor, source: int, numel: int) -> list[str]:
     try:
         names = json.loads(bytes(raw.cpu().tolist()).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PeerPayloadError(f"rank {source} sent unreadable error-feedback bucket keys: {error}", source) from None
+        raise PeerPayloadError(
+            f"rank {source} sent unreadable error-feedback bucket keys: {error}", source, "error_feedback.keys"
+        ) from None
     ok = isinstance(names, list) and all(isinstance(n, str) and n.count("|") == 2 for n in names)
     sizes = [n.rsplit("|", 1)[1] for n in names] if ok else []
-    if not ok or not all(size.isdigit() for size in sizes) or sum(map(int, sizes)) != numel:
+    if not ok or not all(size.isascii() and size.isdigit() for size in sizes) or sum(map(int, sizes)) != numel:
         raise PeerPayloadError(
             f"rank {source} sent error-feedback bucket keys {str(names)[:200]} that do not describe its {numel}"
             " values (a list of 'ranks|dtype|numel'); refusing to checkpoint them.",
             source,
+            "error_feedback.keys",
         )
     return names
 

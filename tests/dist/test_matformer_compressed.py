@@ -5,7 +5,9 @@ a known answer: compression 1 equals ``mean`` (plain and weighted, with NaN in t
 gradients, which would poison every result if they were ever encoded); at compression 1/8 the error feedback conserves
 the gradient mass (the steps' results plus a lossless flush of the residual buffers equal the ``mean`` results summed);
 every holder of a coordinate gets bit-identical values; each rank's ledger bytes equal the DeMo payload formula,
-written out here from the definition; helpers are refused; rank 0 collects every rank's buffers for checkpoints.
+written out here from the definition; helpers are refused; rank 0 collects every rank's buffers for checkpoints. A
+second, 2-rank launch has rank 1 forge what it announces and sends to that collection: rank 0 refuses every forgery
+before allocating for it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_hetero import comm
 from lightning_hetero.comm import INTER, get_ledger
+from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
-from lightning_hetero.matformer.compressed import CompressedExchange, demo_bytes_per_step, demo_payload_bytes
+from lightning_hetero.matformer.compressed import (
+    CHECKPOINT_LABEL,
+    CompressedExchange,
+    demo_bytes_per_step,
+    demo_payload_bytes,
+)
 from lightning_hetero.matformer.tiers import HelperConfig, widths_for
 from lightning_hetero.matformer.types import FFNParameter
 from lightning_hetero.testing import run_distributed
@@ -178,3 +187,47 @@ def test_rank0_collects_every_ranks_error_buffers_and_helpers_are_refused(result
         assert all(torch.equal(gathered[rank][key], value) for key, value in out["state"].items()), rank
         assert "helper_fraction=0" in out["helpers_error"], rank
     assert len(results[3]["state"]) == 1 and len(results[0]["state"]) == 3  # one buffer per multi-rank bucket
+
+
+# ------------------------------------------------------------------------------------- forged checkpoint gather
+OWN_KEY = "0,1|float32|8"
+FORGERIES = {  # what rank 1 announces (key bytes, values) and then sends (None: nothing)
+    "numel 2**31": (len(f'["{OWN_KEY}"]'), 2**31, None),
+    "key bytes 2**40": (2**40, 8, None),
+    "negative numel": (len(f'["{OWN_KEY}"]'), -8, None),
+    "NaN values": (len(f'["{OWN_KEY}"]'), 8, [float("nan")] + [0.0] * 7),
+    "honest": (len(f'["{OWN_KEY}"]'), 8, [0.5] * 8),
+}
+
+
+def _forging_worker(rank: int, world_size: int) -> list[Any]:
+    exchange = CompressedExchange(RegionGroups(widths_for([0, 0], H)), 1 / 8)
+    exchange.load_state_dict({OWN_KEY: torch.zeros(8)})
+    out: list[Any] = []
+    for key_bytes, numel, values in FORGERIES.values():
+        if rank == 1:  # the hostile rank: its own all-gather entry and sends instead of gather_state
+            every = torch.empty(4, dtype=torch.int64)
+            comm.all_gather_into_tensor(every, torch.tensor([key_bytes, numel]), label=CHECKPOINT_LABEL)
+            if values is not None:
+                comm.send(torch.tensor(list(f'["{OWN_KEY}"]'.encode()), dtype=torch.uint8), 0, label=CHECKPOINT_LABEL)
+                comm.send(torch.tensor(values), 0, label=CHECKPOINT_LABEL)
+            continue
+        try:
+            gathered = exchange.gather_state(torch.device("cpu"))
+            out.append(("accepted", {key: value.tolist() for key, value in gathered[1].items()}))
+        except PeerPayloadError as error:
+            out.append(("refused", error.peer, error.field, str(error)))
+        except Exception as error:  # noqa: BLE001 - recorded: the test asserts none
+            out.append(("escaped", type(error).__name__, str(error)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_rank0_refuses_forged_error_feedback_sizes_and_values_before_allocating():
+    outcome = dict(zip(FORGERIES, run_distributed(_forging_worker, 2, timeout=90)[0], strict=True))
+    assert outcome["numel 2**31"][:3] == ("refused", 1, "error_feedback.numel")
+    assert "outside [0, 8]" in outcome["numel 2**31"][3]  # rank 0's own buffers hold 8 values
+    assert outcome["negative numel"][:3] == ("refused", 1, "error_feedback.numel")
+    assert outcome["key bytes 2**40"][:3] == ("refused", 1, "error_feedback.key_bytes")
+    assert outcome["NaN values"][:3] == ("refused", 1, "error_feedback.values")
+    assert outcome["honest"] == ("accepted", {OWN_KEY: [0.5] * 8})

@@ -1,4 +1,4 @@
-"""MatFormer peer bytes: the setup schema hash, non-finite all-reduced buckets, DeMo buckets, gathered bucket keys."""
+"""MatFormer peer bytes: setup schema hash, non-finite all-reduced buckets, DeMo buckets, gathered error feedback."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.aggregate import _check_reduced
 from lightning_hetero.matformer.arguments import module_schema
-from lightning_hetero.matformer.compressed import _bucket_names, build_demo_replicator
+from lightning_hetero.matformer.compressed import _bucket_names, build_demo_replicator, decode_error_feedback
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.schema import (
     SETUP_DOCUMENT,
@@ -22,6 +22,7 @@ from lightning_hetero.matformer.schema import (
     canonical_hash,
     schema_hash,
 )
+from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -113,3 +114,71 @@ def test_the_runtime_validates_the_policy():
     assert MatFormerRuntime(on_bad_payload="drop").on_bad_payload == "drop"
     with pytest.raises(ValueError, match="MatFormerStrategy\\(on_bad_payload='warn'\\)"):
         MatFormerRuntime(on_bad_payload="warn")
+
+
+# ------------------------------------------------------------------------------- error-feedback gather (checkpoint)
+OWN = {"0,1,2|float32|6": 6, "0,1|float32|4": 4, "0,2|float32|3": 3}  # rank 0's own buckets
+
+
+def _text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def _honest() -> tuple[str, torch.Tensor]:
+    return '["0,1,2|float32|6", "0,1|float32|4"]', torch.linspace(-1.0, 1.0, 10)
+
+
+def test_a_ranks_error_feedback_buffers_decode_to_its_buckets():
+    keys, values = _honest()
+    decoded = decode_error_feedback(_text(keys), values, source=1, allowed=OWN)
+    assert list(decoded) == ["0,1,2|float32|6", "0,1|float32|4"]
+    assert torch.equal(torch.cat(list(decoded.values())), values)
+    assert decode_error_feedback(torch.zeros(0, dtype=torch.uint8), torch.zeros(0), source=1, allowed=OWN) == {}
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "field"),
+    [
+        ('["0,1,2|float32|6", "0,1|float32|4"]', [float("nan")] + [0.0] * 9, "error_feedback.values"),
+        ('["0,1,2|float32|6", "0,1|float32|4"]', [3e38] * 10, "error_feedback.values"),
+        ('["0,1,2|float32|6", "0,1,2|float32|6"]', [0.0] * 12, "error_feedback.keys"),  # one bucket twice
+        ('["0,2|float32|3"]', [0.0] * 3, "error_feedback.keys"),  # a bucket rank 1 is not a member of
+        ('["0,1|float16|4"]', [0.0] * 4, "error_feedback.keys"),  # not one of rank 0's buckets
+        ("", [0.0] * 4, "error_feedback.keys"),  # values without keys
+        ('["0,1|float32|\u00b2"]', [0.0] * 2, "error_feedback.keys"),  # a unicode digit is not a size
+    ],
+)
+def test_forged_error_feedback_is_refused_naming_the_rank_and_field(keys, values, field):
+    with pytest.raises(PeerPayloadError) as caught:
+        decode_error_feedback(_text(keys), torch.tensor(values), source=1, allowed=OWN)
+    assert (caught.value.peer, caught.value.field) == (1, field)
+
+
+def _covers_own_buckets(result: dict[str, torch.Tensor]) -> None:
+    for key, value in result.items():
+        assert key in OWN and "1" in key.split("|")[0].split(",") and value.numel() == OWN[key], key
+
+
+@FUZZ
+@given(st.binary(max_size=80), st.lists(st.floats(width=32), max_size=16))
+def test_random_error_feedback_keeps_the_decoder_rule(data, values):
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    assert_decoder_rule(
+        lambda: decode_error_feedback(raw, torch.tensor(values, dtype=torch.float32), source=1, allowed=OWN),
+        peer=1,
+        check_layout=_covers_own_buckets,
+    )
+
+
+@FUZZ
+@given(st.sampled_from(["key byte", "value"]), st.integers(0, 200), st.integers(0, 255), st.floats(width=32))
+def test_an_honest_message_with_one_corrupted_field_keeps_the_decoder_rule(field, position, byte, value):
+    keys, values = _honest()
+    raw = _text(keys)
+    if field == "key byte":
+        raw[position % raw.numel()] = byte
+    else:
+        values[position % values.numel()] = value
+    assert_decoder_rule(
+        lambda: decode_error_feedback(raw, values, source=1, allowed=OWN), peer=1, check_layout=_covers_own_buckets
+    )
