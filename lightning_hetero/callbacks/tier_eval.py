@@ -1,20 +1,24 @@
 """Per-tier validation: :class:`TierEvaluation` logs ``val/loss_tier{t}`` and ``val/perplexity_tier{t}``.
 
+It evaluates through the module's own ``validation_step`` (see :mod:`~lightning_hetero.callbacks.eval_report`).
 Under a tiered strategy evaluation happens on global rank 0, which holds the full (tier-0) model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hetero.callbacks.eval_report import mean_validation_loss
+from lightning_hetero.callbacks.eval_report import (
+    check_evaluable,
+    mean_validation_loss,
+    validate_metric,
+    validation_loader,
+)
 from lightning_hetero.callbacks.tier_common import (
     check_tiers_fit,
     default_tiers,
@@ -31,18 +35,24 @@ __all__ = ["TierEvaluation"]
 
 
 class TierEvaluation(Callback):
-    """After every validation epoch, evaluate validation loss and perplexity of each tier and log them.
+    """After every validation epoch, evaluate the validation loss of each tier and log it, with its perplexity.
 
-    Lightning's own validation loop has just run at full width (it logs ``val/loss``); this callback then runs the
-    datamodule's validation loader once per tier under ``torch.no_grad()`` and ``tier_view(pl_module, tier)`` (in
-    eval mode, in the precision plugin's forward context) and logs ``val/loss_tier{t}`` and
-    ``val/perplexity_tier{t} = exp(val/loss_tier{t})``. The loss is ``forward(**batch).loss`` averaged over batches
-    weighted by batch size, like the ``val/loss`` of our modules, so ``val/loss_tier0`` equals ``val/loss`` on the
-    same batches. It is skipped during the sanity check. ``results`` holds the latest values, tier -> dict.
+    Lightning's own validation loop has just run at full width; this callback then runs the validation loader once
+    per tier under ``torch.no_grad()`` and ``tier_view(pl_module, tier)`` (in eval mode, in the precision plugin's
+    validation context), through the module's own ``validation_step`` (or its ``validation_loss(batch)`` hook; see
+    :func:`~lightning_hetero.callbacks.eval_report.mean_validation_loss` for what is read, and how our batches stay
+    out of the module's logged metrics). It logs ``val/loss_tier{t}`` (``{metric}_tier{t}`` with ``metric``) and
+    ``val/perplexity_tier{t} = exp(value)``. The value is averaged over batches weighted by batch size, like the
+    ``val/loss`` of our modules, so ``val/loss_tier0`` equals the module's validation loss on the same batches. It
+    is skipped during the sanity check. ``results`` holds the latest values, tier -> dict. A module with neither
+    ``validation_step`` nor the hook fails in ``setup``, before the first step.
 
-    Which batches: the first ``limit_batches`` of ``trainer.datamodule.val_dataloader()`` (of Lightning's validation
-    loader when there is no datamodule). ``limit_batches=None`` uses the number of batches Lightning's validation
-    loop used (``trainer.num_val_batches``, i.e. ``limit_val_batches``), which are the same batches on one process.
+    Which batches: those of the loader Lightning's validation loop uses (the datamodule's, the module's own
+    ``val_dataloader``, or ``fit(val_dataloaders=...)``), unsharded. ``limit_batches=None`` evaluates as many batches
+    as Lightning's validation loop used (``trainer.num_val_batches``, i.e. ``limit_val_batches``). When that is fewer
+    than the loader has, a plain ``DataLoader`` in storage order is read in a fixed seeded order, so the batches are a
+    fair sample, the same for every tier and every epoch (our DataModules' loaders are in such an order already,
+    and then these are the batches Lightning's loop used, on one process).
 
     Processes: with a tiered strategy (``trainer.strategy`` has a ``tier``), a rank at tier ``t`` can only run tiers
     ``>= t``, so only global rank 0 (tier 0, the full model) evaluates and logs, with ``rank_zero_only=True``; the
@@ -54,12 +64,23 @@ class TierEvaluation(Callback):
     Args:
         tiers: Tiers to evaluate. None: ``0..max``, the highest tier the FFN sizes divide into, capped at 3.
         limit_batches: Evaluate at most this many batches per tier (None: as many as Lightning's validation loop).
+        metric: Name ``validation_step`` logs (or returns in a dict) to evaluate per tier. None: the loss it returns,
+            else the value it logs as ``val_loss`` or ``val/loss``.
+        perplexity: Also log ``val/perplexity_tier{t}`` (set False for metrics that are not a log-likelihood).
     """
 
-    def __init__(self, tiers: list[int] | None = None, limit_batches: int | None = None) -> None:
+    def __init__(
+        self,
+        tiers: list[int] | None = None,
+        limit_batches: int | None = None,
+        metric: str | None = None,
+        perplexity: bool = True,
+    ) -> None:
         self.tiers = None if tiers is None else validate_tiers("TierEvaluation", tiers)
         validate_limit("TierEvaluation", limit_batches)
         self.limit_batches = limit_batches
+        self.metric = validate_metric("TierEvaluation", metric)
+        self.perplexity = perplexity
         self.results: dict[int, dict[str, float]] = {}
         self._checked = False
         self._warned: set[int] = set()
@@ -74,6 +95,12 @@ class TierEvaluation(Callback):
         self._checked = True
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # On every rank (the module is the same everywhere), so a bad module stops all ranks before the first step.
+        if stage in ("fit", "validate"):
+            check_evaluable("TierEvaluation", pl_module, self.metric)
+
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not is_tiered(trainer) or trainer.global_rank == 0:
             self._check(pl_module)
@@ -86,29 +113,18 @@ class TierEvaluation(Callback):
             return None
         return int(counts[0])
 
-    @staticmethod
-    def _loader(trainer: Trainer) -> Iterable[Any]:
-        datamodule = trainer.datamodule
-        if datamodule is not None:
-            return datamodule.val_dataloader()
-        loaders = trainer.val_dataloaders
-        if isinstance(loaders, (list, tuple)):
-            loaders = loaders[0] if loaders else None
-        if loaders is None:
-            raise RuntimeError("TierEvaluation needs a validation loader: pass a datamodule or val_dataloaders.")
-        return loaders
-
     def evaluate(self, trainer: Trainer, pl_module: LightningModule, tier: int, limit: int | None = None) -> float:
-        """Mean validation loss of ``pl_module`` at ``tier`` over the first ``limit`` validation batches.
+        """Mean validation value of ``pl_module`` at ``tier`` over ``limit`` validation batches.
 
         Args:
             trainer: The Trainer (for the loader, the device transfer and the precision context).
-            pl_module: The module; ``forward(**batch)`` must return an object with ``.loss``.
+            pl_module: The module; it needs ``validation_step`` or the ``validation_loss(batch)`` hook.
             tier: Tier to run.
-            limit: Number of batches (None: all).
+            limit: Number of batches (None: all); a fair sample when fewer than the loader has.
         """
+        loader = validation_loader(trainer, pl_module, "TierEvaluation")
         with tier_view(pl_module, tier):
-            return mean_validation_loss(trainer, pl_module, self._loader(trainer), limit, "TierEvaluation")
+            return mean_validation_loss(trainer, pl_module, loader, limit, "TierEvaluation", metric=self.metric)
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -131,11 +147,14 @@ class TierEvaluation(Callback):
                     )
                 continue
             loss = self.evaluate(trainer, pl_module, tier, limit)
-            perplexity = math.exp(min(loss, 80.0))
-            self.results[tier] = {"loss": loss, "perplexity": perplexity}
-            for name, value in (("loss", loss), ("perplexity", perplexity)):
+            self.results[tier] = {"loss": loss}
+            names = {"loss": f"val/loss_tier{tier}" if self.metric is None else f"{self.metric}_tier{tier}"}
+            if self.perplexity:
+                self.results[tier]["perplexity"] = math.exp(min(loss, 80.0))
+                names["perplexity"] = f"val/perplexity_tier{tier}"
+            for key, value in self.results[tier].items():
                 pl_module.log(
-                    f"val/{name}_tier{tier}",
+                    names[key],
                     value,
                     on_step=False,
                     on_epoch=True,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.utils.assets import cache_dir as default_cache_dir
@@ -169,6 +169,76 @@ def stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tupl
     val = np.sort(np.concatenate(val_parts)) if val_parts else np.empty(0, dtype=np.int64)
     train = np.setdiff1d(np.arange(len(labels)), val)
     return train, val
+
+
+# ------------------------------------------------------------------------------------------- evaluation order
+
+#: Seed of the fixed evaluation order that :func:`fair_prefix` gives a loader (any fixed value; it never changes).
+EVALUATION_ORDER_SEED = 0
+
+
+class FixedOrderSampler(Sampler[int]):
+    """Yields ``range(length)`` in one seeded permutation: the same order every epoch, on every process and run.
+
+    Evaluation loaders use it so that their first ``N`` batches (``limit_val_batches``, a callback's
+    ``limit_batches``) are a fair sample of a split that is stored in a meaningful order (sorted by class, by
+    document), while every pass still sees the same batches.
+
+    Args:
+        length: Number of examples.
+        seed: Seeds the permutation (numpy PCG64, platform-independent).
+    """
+
+    def __init__(self, length: int, seed: int) -> None:
+        check_positive_int("length", length, minimum=0)
+        self.seed = seed
+        self.order: list[int] = seeded_permutation(length, seed).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def fair_prefix(loader: Iterable[Any], limit: int | None, seed: int = EVALUATION_ORDER_SEED) -> Iterable[Any]:
+    """``loader``, rebuilt to read its dataset in a fixed seeded order when only its first ``limit`` batches are used.
+
+    Reading the first ``limit`` batches of a loader in storage order evaluates whatever the file put first (one
+    class of a class-sorted file, the first documents). When ``limit`` is smaller than ``len(loader)`` and the loader
+    is a plain ``DataLoader`` over a sized map-style dataset with a sequential or random sampler, the result is the
+    same loader (batch size, collate function, workers, ``drop_last``) over a :class:`FixedOrderSampler`: a fair
+    sample, and the same batches on every call, rank and run. Anything else comes back unchanged: all batches are
+    read (``limit`` None or not smaller), or the loader already has its own sampler or batch sampler (e.g. our
+    DataModules' evaluation loaders, which are already in a fixed seeded order), or it cannot be re-read in another
+    order (an ``IterableDataset``, a ``DataLoader`` subclass).
+    """
+    if limit is None or type(loader) is not DataLoader or loader.batch_size is None:
+        return loader
+    if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)) or isinstance(
+        loader.dataset, IterableDataset
+    ):
+        return loader
+    try:
+        length = len(loader.dataset)  # type: ignore[arg-type]
+        if limit >= len(loader):
+            return loader
+    except TypeError:  # an unsized dataset
+        return loader
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=FixedOrderSampler(length, seed),
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- dataloaders

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,28 @@ def export_tier(
     apply_widths(sliced, blocks, targets)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    sliced.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    with _quiet_progress_bars():
+        sliced.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
     return out
+
+
+@contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """Hide transformers' (and the hub's) progress bars, e.g. "Writing model shards", then restore the caller's."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    transformers_bars = hf_logging.is_progress_bar_enabled()
+    hub_bars = not are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # disables the hub's bars too
+    try:
+        yield
+    finally:
+        if transformers_bars:
+            hf_logging.enable_progress_bar()  # enables the hub's bars too
+        if hub_bars:
+            enable_progress_bars()
+        else:
+            disable_progress_bars()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import warnings
 from pathlib import Path
@@ -20,9 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from lightning_hetero.callbacks import MatFormerSampler, TierEvaluation, TierExport
 from lightning_hetero.callbacks.tiers import default_tiers, find_hf_model
+from lightning_hetero.data.base import FixedOrderSampler, fair_prefix
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.slicing import tier_view
 from lightning_hetero.models import CausalLMModule
+from tests.usercode.usernets import UserLlama
 
 VOCAB = 96
 FULL = 64  # FFN size of the tiny model: tiers 0..3 are widths 64, 32, 16, 8
@@ -53,7 +56,9 @@ class _Tokens(LightningDataModule):
         return DataLoader(self.rows[: self.n_train], batch_size=self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.rows[self.n_train :], batch_size=self.batch_size)
+        # In a fixed seeded order, like our DataModules: TierEvaluation then reads the batches Lightning's loop read.
+        rows = self.rows[self.n_train :]
+        return DataLoader(rows, batch_size=self.batch_size, sampler=FixedOrderSampler(len(rows), seed=0))
 
 
 class _FakeTokenizer:
@@ -330,6 +335,45 @@ def test_tier_evaluation_skips_non_zero_ranks_of_a_tiered_strategy():
     assert evaluation.results == {}
 
 
+class _Probe(UserLlama):
+    """A user's module that counts its training steps (to show a failure comes before the first one)."""
+
+    steps_seen = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps_seen += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_tier_evaluation_runs_a_user_module_through_its_validation_step():
+    module = _Probe(val_items=32)  # 4 validation batches of 8, in storage order; own loaders, no forward(**batch)
+    evaluation = TierEvaluation(tiers=[0, 2])
+    trainer = _trainer([evaluation], max_steps=2, limit_val_batches=2, val_check_interval=2)
+    trainer.fit(module)
+    loader = fair_prefix(module.val_dataloader(), 2)
+    batches = list(itertools.islice(loader, 2))
+    module.eval()
+    for tier in (0, 2):
+        with torch.no_grad(), tier_view(module, tier):
+            expected = sum(float(module.model(**b).loss) * 8 for b in batches) / 16
+        assert float(trainer.callback_metrics[f"val/loss_tier{tier}"]) == pytest.approx(expected, abs=1e-6)
+    # The module's own val_loss is Lightning's: its first two batches in storage order, none of ours mixed in.
+    with torch.no_grad():
+        own = sum(float(module.model(**b).loss) for b in list(module.val_dataloader())[:2]) / 2
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(own, abs=1e-6)
+
+
+class _NoValidation(_Probe):
+    validation_step = LightningModule.validation_step  # a module written without validation_step
+
+
+def test_tier_evaluation_without_validation_step_fails_before_the_first_step():
+    module = _NoValidation()
+    with pytest.raises(TypeError, match=r"TierEvaluation .*_NoValidation defines neither validation_step nor"):
+        _trainer([TierEvaluation()], max_steps=2).fit(module)
+    assert module.steps_seen == 0
+
+
 def test_tier_evaluation_rejects_tiers_the_model_cannot_run():
     trainer = _trainer([TierEvaluation(tiers=[9])], max_steps=1)
     with pytest.raises(ValueError, match=r"TierEvaluation\(tiers=\[9\]\): tier 9"):
@@ -353,6 +397,16 @@ def test_tier_export_writes_loadable_checkpoints_with_the_tier_logits(tmp_path):
             expected = hf(input_ids=input_ids).logits
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=input_ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_tier_export_prints_no_progress_bars_and_restores_the_setting(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    _trainer([TierExport(dirpath=str(tmp_path), tiers=[0, 1])], max_steps=1).fit(_module(), datamodule=_Tokens())
+    assert (tmp_path / "tier1" / "model.safetensors").is_file()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled(), "the caller's setting is restored"
 
 
 def test_tier_export_defaults_and_no_tokenizer(tmp_path):
