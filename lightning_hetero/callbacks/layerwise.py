@@ -14,6 +14,12 @@ logic); this callback wires it into the Trainer:
   under another split raises :class:`~lightning_hetero.layerwise.greedy.SplitMismatchError` before step 1;
 - ``export_dir``: after fit, the model is saved with ``save_pretrained`` (auxiliary heads dropped, or the last one
   copied into the model's head with ``keep_last_aux_head``).
+- under Lightning's DDP (``strategy="ddp"``, the default ``find_unused_parameters=False`` included) the callback
+  re-wraps the module in ``DistributedDataParallel`` whenever a stage starts, with exactly the stage's parameters
+  requiring grad (the frozen prefix, the later blocks and any parameter of the module outside the split do not), so
+  DDP syncs only what the stage trains and never meets an unused parameter. The auxiliary heads live in the callback,
+  not in the module: they are broadcast from rank 0 when a stage starts and their gradients are averaged over the
+  ranks before each optimizer step, so every rank holds the same heads.
 
 Validation and test keep the module's own steps (the whole model with its own head).
 """
@@ -27,9 +33,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_hetero import comm
+from lightning_hetero.core import average_gradients, broadcast_module_state
 from lightning_hetero.layerwise import ActivationCache, GreedyStages, split_into_blocks
 
 __all__ = ["GreedyLayerwise"]
@@ -81,6 +91,8 @@ class GreedyLayerwise(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._patched: dict[str, Any] = {}
         self._trainer: pl.Trainer | None = None
+        self._outside: list[torch.nn.Parameter] = []  # module parameters outside the split, frozen during fit
+        self._ddp: tuple[int, int] | None = None  # (id of the DDP wrapper we built, the stage it was built for)
 
     # ------------------------------------------------------------------------------------------------ building
     def steps_of(self, stage: int) -> int:
@@ -112,6 +124,8 @@ class GreedyLayerwise(Callback):
 
         def configure_optimizers() -> Any:
             stages = self._build(pl_module)
+            self._freeze_outside(pl_module)
+            self._wrap_ddp_for_stage(trainer, pl_module)
             with self._stage_length_as_max_steps(trainer, self.steps_of(stages.stage)):
                 result = original_configure()
             _restrict_optimizers(result, stages.active_parameters())
@@ -134,6 +148,60 @@ class GreedyLayerwise(Callback):
         for name in self._patched:
             pl_module.__dict__.pop(name, None)  # the class' own methods show through again
         self._patched = {}
+        self._unfreeze_outside()
+        self._ddp = None
+
+    # ------------------------------------------------------------------------------------------------ DDP
+    def _freeze_outside(self, pl_module: pl.LightningModule) -> None:
+        """Stop parameters of the module that no stage trains (outside the split) from requiring grad during fit:
+        the stage loss never reaches them, and DDP would report them as unused."""
+        assert self.stages is not None
+        inside = {id(p) for p in self.stages.all_parameters()}
+        for parameter in pl_module.parameters():
+            if id(parameter) not in inside and parameter.requires_grad:
+                parameter.requires_grad_(False)
+                self._outside.append(parameter)
+
+    def _unfreeze_outside(self) -> None:
+        for parameter in self._outside:
+            parameter.requires_grad_(True)
+        self._outside = []
+
+    @staticmethod
+    def _ddp_strategy(trainer: pl.Trainer) -> DDPStrategy | None:
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+            return strategy
+        return None
+
+    def _wrap_ddp_for_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under DDP: wrap the module again for the current stage (DDP fixes the parameters it syncs when it is built:
+        those requiring grad then), and give every rank rank 0's auxiliary heads."""
+        strategy = self._ddp_strategy(trainer)
+        assert self.stages is not None
+        if strategy is None or self._ddp == (id(strategy.model), self.stages.stage):
+            return
+        strategy.model = pl_module
+        strategy.configure_ddp()  # Lightning's own wrapping: its DDP arguments and communication hooks apply
+        self._ddp = (id(strategy.model), self.stages.stage)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            broadcast_module_state(self.stages.aux_heads, 0, label=comm.INTRA)
+
+    def _aux_parameters_in_training(self, pl_module: pl.LightningModule) -> list[torch.nn.Parameter]:
+        assert self.stages is not None
+        in_module = {id(p) for p in pl_module.parameters()}
+        return [p for p in self.stages.active_parameters() if id(p) not in in_module]
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # DDP averages what the module holds; the auxiliary head lives here, so its gradients are averaged here.
+        if self.stages is None or self._ddp_strategy(trainer) is None or trainer.world_size < 2:
+            return
+        aux = self._aux_parameters_in_training(pl_module)
+        if aux:
+            average_gradients(aux, None, comm.INTRA)
 
     @contextlib.contextmanager
     def _stage_length_as_max_steps(self, trainer: pl.Trainer, steps: int) -> Iterator[None]:
@@ -183,6 +251,7 @@ class GreedyLayerwise(Callback):
         if self.stages is None:
             return
         root = self.stages.export_()
+        self._unfreeze_outside()
         if self.export_dir is not None and trainer.is_global_zero:
             if hasattr(root, "save_pretrained"):
                 root.save_pretrained(self.export_dir)

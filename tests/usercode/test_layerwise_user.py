@@ -1,0 +1,96 @@
+"""Layerwise training and the sparseflip summary on modules written the way users write them (``usernets``).
+
+- ``GreedyLayerwise`` added to a plain Trainer with Lightning's default DDP (``strategy="ddp"``, no
+  ``find_unused_parameters``) on 2 spawned gloo ranks: every stage trains, the ranks stay identical (auxiliary heads
+  included), the progress bar names what it shows, and the export loads with ``from_pretrained``.
+
+The Trainer runs inside :func:`~lightning_hetero.testing.run_distributed` workers: the process group exists already
+(Lightning sees ``LOCAL_RANK`` and launches nothing), so ``strategy="ddp"`` never runs in the pytest process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_hetero.callbacks import GreedyLayerwise
+from lightning_hetero.testing import run_distributed
+from tests.usercode.usernets import Progressions, UserLlama
+
+
+class _Record(Callback):
+    """What each step looked like: the stage, the logged loss, the progress-bar keys."""
+
+    def __init__(self, greedy: GreedyLayerwise) -> None:
+        self.greedy, self.steps = greedy, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        stages = self.greedy.stages
+        self.steps.append((stages.stage, float(outputs["loss"])))
+        if stages.stage == 0:  # the auxiliary head as stage 0 leaves it (before anything could re-sync it)
+            self.aux = {k: v.detach().clone() for k, v in stages.aux_heads.state_dict().items()}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.bar = dict(trainer.progress_bar_metrics)
+
+
+class UserLlamaWithTemperature(UserLlama):
+    """A user's module with a parameter outside the HF model (a learned loss temperature) that its own
+    ``training_step`` uses: under GreedyLayerwise the stage losses never reach it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss * self.log_temperature.exp()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+def _greedy_ddp_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    L.seed_everything(rank, verbose=False)  # different RNG per rank: equal aux heads must not rely on the seed
+    greedy = GreedyLayerwise(stage_steps=3, export_dir=str(out / "export"))
+    record = _Record(greedy)
+    module = UserLlamaWithTemperature(train_items=64, batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[greedy, record],
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    return {
+        "steps": record.steps,
+        "bar": {k: float(v) for k, v in record.bar.items()},
+        "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "aux": record.aux,
+        "requires_grad": all(p.requires_grad for p in module.parameters()),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_greedy_layerwise_under_default_ddp_on_two_ranks(tmp_path: Path) -> None:
+    results = run_distributed(_greedy_ddp_worker, 2, tmp_path, timeout=500)
+    for result in results:
+        assert [stage for stage, _ in result["steps"]] == [0, 0, 0, 1, 1, 1]
+        assert result["requires_grad"]  # the model is an ordinary model again after fit
+    first, second = results
+    for name, value in first["state"].items():  # DDP kept the model's replicas identical ...
+        assert torch.equal(value, second["state"][name]), name
+    for name, value in first["aux"].items():  # ... and the auxiliary heads, which are not part of the module
+        assert torch.equal(value, second["aux"][name]), name
+    # the exported model is the trained one
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, first["state"][f"model.{name}"]), name
+    batch = {"input_ids": Progressions(4, seed=5).ids}
+    assert exported(**batch).logits.isfinite().all()
