@@ -22,12 +22,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_hetero.comm.validation import PeerPayloadError, check_finite
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError, check_values, peer_decoding
 
-__all__ = ["BoundaryCodec", "pack_int8", "unpack_int8"]
+__all__ = ["BoundaryCodec", "pack_int8", "unpack_int8", "value_bound"]
 
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
-_MAX_INT8_SCALE = torch.finfo(torch.float32).max / 127.0
+_INT8_MAX = 127
+"""Largest |byte| the int8 codec emits: -128 is never encoded, so a received -128 is refused."""
+
+
+def value_bound(dtype: torch.dtype | None = None) -> float:
+    """Largest magnitude a decoded peer value may have: ``MAX_PEER_MAGNITUDE``, or less if ``dtype`` overflows first.
+
+    The bound is representable in ``dtype`` and rounding to nearest is monotonic, so a value within it stays within
+    it (and finite) when cast to ``dtype``.
+    """
+    if dtype is None or not dtype.is_floating_point:
+        return MAX_PEER_MAGNITUDE
+    return min(MAX_PEER_MAGNITUDE, float(torch.finfo(dtype).max))
 
 
 def pack_int8(values: Tensor) -> Tensor:
@@ -124,32 +136,83 @@ class BoundaryCodec:
             return _Int8Decode.apply(wire, self.width, dtype)
         return wire.to(dtype)
 
-    def check_wire(self, wire: Tensor, *, peer: int | None = None, what: str = "boundary tensor") -> None:
-        """Refuse a received wire tensor that cannot be decoded into finite values.
+    def check_wire(
+        self,
+        wire: Tensor,
+        *,
+        peer: int | None = None,
+        what: str = "boundary tensor",
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Refuse a received wire tensor unless it decodes to finite values within the peer-payload bound.
 
-        ``fp32``/``bf16``: every number must be finite. ``int8``: the payload slots are raw int8 bytes (NaN bit
-        patterns are legitimate there), so only the per-token scale, the last slot, must be finite and >= 0.
+        ``fp32``/``bf16``: every number must be finite and of magnitude at most :func:`value_bound` (``dtype``).
+        ``int8``: the payload slots are raw int8 bytes (NaN bit patterns are legitimate there): every byte must be in
+        ``[-127, 127]`` (the encoder never emits -128), the padding bytes zero, and the per-token scale (the last
+        slot) finite, >= 0 and at most ``value_bound(dtype) / 127``, so ``byte * scale`` stays within the bound.
+
+        Args:
+            wire: The received tensor.
+            peer: The sending rank (named in the error).
+            what: What the tensor is (named in the error).
+            dtype: The dtype the receiver decodes to (None: only :data:`MAX_PEER_MAGNITUDE`); a float16 stage
+                refuses values a float16 cannot hold.
 
         Raises:
-            PeerPayloadError: Wrong last dimension or dtype, NaN/Inf values, or a negative / non-finite scale.
+            PeerPayloadError: Wrong last dimension or dtype (field ``"shape"``), NaN/Inf or oversized values
+                (``"values"``), a -128 byte or non-zero padding (``"payload"``), or a bad scale (``"scale"``).
         """
         if wire.shape[-1:] != (self.wire_width,) or wire.dtype != self.wire_dtype:
             raise PeerPayloadError(
                 f"{what} from rank {peer} has shape {tuple(wire.shape)} and dtype {wire.dtype}; the {self} expects"
                 f" last dimension {self.wire_width} and {self.wire_dtype}.",
                 peer,
+                "shape",
             )
+        bound = value_bound(dtype)
+        into = "" if dtype is None else f" (this stage decodes to {dtype}, bound {bound:.3g})"
         if self.coord_dtype != "int8":
-            check_finite(wire, peer=peer, what=what)
+            try:
+                check_values(wire, peer=peer, what=what, bound=bound)
+            except PeerPayloadError as error:
+                raise PeerPayloadError(f"{error}{into}", peer, "values") from None
             return
-        scale = wire[..., -1]
-        # A finite scale above max / 127 would still decode to Inf; the encoder's scale is max|c| / 127.
-        if scale.numel() and not bool(((scale >= 0) & (scale <= _MAX_INT8_SCALE)).all()):
+        self._check_int8(wire, peer, what, bound, into)
+
+    def _check_int8(self, wire: Tensor, peer: int | None, what: str, bound: float, into: str) -> None:
+        payload = wire[..., :-1].contiguous().view(torch.int8)
+        if payload.numel() and bool((payload[..., : self.width] == -128).any()):
             raise PeerPayloadError(
-                f"{what} from rank {peer} holds a negative, non-finite or overflowing int8 scale; refusing to decode"
-                " it.",
+                f"{what} from rank {peer} holds an int8 byte of -128, which the codec never encodes (|byte| <= 127);"
+                " refusing to decode it.",
                 peer,
+                "payload",
             )
+        if payload.numel() and bool((payload[..., self.width :] != 0).any()):
+            raise PeerPayloadError(
+                f"{what} from rank {peer} holds non-zero int8 padding bytes; refusing to decode it.", peer, "payload"
+            )
+        scale = wire[..., -1]
+        # In float64, 127 * scale is exact: compare the largest decodable value itself with the bound.
+        if scale.numel() and not bool(((scale >= 0) & (scale.double() * _INT8_MAX <= bound)).all()):
+            raise PeerPayloadError(
+                f"{what} from rank {peer} holds a negative, non-finite or overflowing int8 scale (127 x scale must "
+                f"be at most {bound:.3g}){into}; refusing to decode it.",
+                peer,
+                "scale",
+            )
+
+    def decode_received(
+        self, wire: Tensor, dtype: torch.dtype, *, peer: int | None = None, what: str = "boundary tensor"
+    ) -> Tensor:
+        """:meth:`check_wire` then :meth:`decode`: finite values within :func:`value_bound` (``dtype``), or a refusal.
+
+        Raises:
+            PeerPayloadError: Anything :meth:`check_wire` refuses; nothing else escapes.
+        """
+        with peer_decoding(peer, what):
+            self.check_wire(wire, peer=peer, what=what, dtype=dtype)
+            return self.decode(wire, dtype)
 
     def __repr__(self) -> str:
         return f"BoundaryCodec({self.coord_dtype!r}, width={self.width})"

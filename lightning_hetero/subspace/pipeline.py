@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import check_finite
+from lightning_hetero.comm.validation import check_values
 from lightning_hetero.subspace.schedules import build_schedule
 
 __all__ = [
@@ -227,9 +227,10 @@ class PipelineExecutor:
         what = "boundary activations" if tag == FORWARD_TAG else "boundary gradients"
         codec = getattr(self.stage, "codec", None)
         if codec is not None and hasattr(codec, "check_wire"):
-            codec.check_wire(buffer, peer=src, what=what)
+            # Both directions are decoded into the stage's compute dtype: a float16 stage refuses what it cannot hold.
+            codec.check_wire(buffer, peer=src, what=what, dtype=getattr(self.stage, "compute_dtype", None))
         else:
-            check_finite(buffer, peer=src, what=what)
+            check_values(buffer, peer=src, what=what)
 
     def _send(self, tensor: Tensor, dst: int, input_ids: Tensor, tag: int, pending: list[Any]) -> None:
         shape, dtype = self._boundary(input_ids)
