@@ -116,7 +116,12 @@ def test_fit_runs_a_module_with_its_own_dataloaders(tmp_path, monkeypatch):
 def test_our_data_modules_stay_selectable_by_short_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
-        ["--model=CausalLMModule", "--model.preset=gpt2-tiny", "--data=ShakespeareDataModule", "--trainer.logger=0"],
+        [
+            "--model=CausalLMModule",
+            "--model.preset=gpt2-tiny",
+            "--data=ShakespeareDataModule",
+            "--trainer.logger=false",
+        ],
         run=False,
     )
     assert type(cli.datamodule).__name__ == "ShakespeareDataModule"
