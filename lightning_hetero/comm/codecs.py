@@ -22,11 +22,20 @@ Layouts (all little-endian, element ``i`` before element ``i + 1``):
 
 "Rows" are the caller's scale groups: one per DCT chunk for the DeMo replicator, one per tensor for the dense ones.
 Values are passed as a 2-D ``(rows, cols)`` tensor (a 1-D tensor is one row).
+
+Bytes from another process go through :func:`unpack_peer_indices` / :func:`unpack_peer_values` instead: they keep
+the decoder rule of :mod:`lightning_hetero.comm.validation` (exact length, canonical padding, indices in range and
+unique per row, ternary codes in ``{0, 1, 2}``, scales finite, ``>= 0`` and bounded, values finite and of magnitude
+at most :data:`~lightning_hetero.comm.validation.MAX_PEER_MAGNITUDE`) or raise
+:class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the peer and the field. :func:`unpack_indices` and
+:func:`unpack_values` trust their input (a rank's own bytes).
 """
 
 from __future__ import annotations
 
 import torch
+
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError, peer_decoding
 
 __all__ = [
     "INDEX_BITS",
@@ -36,6 +45,8 @@ __all__ = [
     "pack_indices",
     "pack_values",
     "unpack_indices",
+    "unpack_peer_indices",
+    "unpack_peer_values",
     "unpack_values",
     "validate_index_bits",
     "validate_value_encoding",
@@ -234,3 +245,191 @@ def unpack_values(data: torch.Tensor, rows: int, cols: int, encoding: str) -> to
     else:
         unit = torch.where(codes == 2, -1.0, codes.float())
     return unit * scale[:, None]
+
+
+# ------------------------------------------------------------------------------------------------- peer bytes
+def _sender(peer: int | None, sender: str | None) -> str:
+    if sender is not None:
+        return sender
+    return f"rank {peer}" if peer is not None else "a peer"
+
+
+def _check_peer_bytes(data: torch.Tensor, nbytes: int, who: str, where: str, peer: int | None, what: str) -> None:
+    """Refuse anything but a uint8 tensor of exactly ``nbytes`` bytes (the size the receiver's own layout gives)."""
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        raise PeerPayloadError(
+            f"{who} sent {type(data).__name__} {getattr(data, 'dtype', '')}{where} (field {what}), not uint8 bytes;"
+            " refusing it.",
+            peer,
+            what,
+        )
+    if data.numel() != nbytes:
+        raise PeerPayloadError(
+            f"{who} sent {data.numel()} bytes{where} (field {what}), expected {nbytes} (truncated, padded or built by a"
+            " differently configured peer); refusing it.",
+            peer,
+            what,
+        )
+
+
+def unpack_peer_indices(
+    data: torch.Tensor,
+    count: int,
+    bits: int,
+    *,
+    limit: int,
+    rows: int = 1,
+    peer: int | None = None,
+    what: str = "indices",
+    sender: str | None = None,
+    where: str = "",
+) -> torch.Tensor:
+    """:func:`unpack_indices` for bytes another process sent, validated by the decoder rule.
+
+    Args:
+        data: Exactly ``index_nbytes(count, bits)`` uint8 bytes.
+        count: Indices expected (from the receiver's own layout, never from the peer).
+        bits: 12 or 16 (the receiver's own configuration).
+        limit: Every index must lie in ``[0, limit)``.
+        rows: The indices form ``rows`` equal rows (e.g. one per DCT block) and may not repeat within a row (a
+            repeat would be applied twice, or ambiguously); 0 allows repeats.
+        peer: The sending rank, carried by the error (``PeerPayloadError.peer``).
+        what: The field, carried by the error (``PeerPayloadError.field``).
+        sender: How the message names the sender (default ``"rank <peer>"``).
+        where: Appended to the field in the message (e.g. ``" for parameter piece 3"``).
+
+    Raises:
+        PeerPayloadError: Wrong length or type, non-zero padding bits, an index out of range or repeated in its row.
+    """
+    bits = validate_index_bits(bits)  # the receiver's own configuration: a plain ValueError when wrong
+    nbytes = index_nbytes(count, bits)
+    if rows and count % rows:
+        raise ValueError(f"unpack_peer_indices: {count} indices do not form {rows} equal rows.")
+    who = _sender(peer, sender)
+    with peer_decoding(peer, what):
+        _check_peer_bytes(data, nbytes, who, where, peer, what)
+        raw = data.reshape(-1)
+        indices = unpack_indices(raw, count, bits)
+        if bits == 12 and count % 2 and int(raw[-1]) >> 4:  # the lone last index's unused high nibble
+            raise PeerPayloadError(
+                f"{who} sent non-zero padding bits{where} (field {what}); refusing them.", peer, what
+            )
+        if indices.numel() and int(indices.max()) >= limit:  # unpacked indices are never negative
+            raise PeerPayloadError(
+                f"{who} sent index {int(indices.max())}{where} (field {what}), outside [0, {limit}); refusing to"
+                " apply it.",
+                peer,
+                what,
+            )
+        if rows and count > rows:
+            ordered = indices.view(rows, count // rows).sort(dim=1).values
+            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                raise PeerPayloadError(
+                    f"{who} sent a row that repeats an index{where} (field {what}); refusing to apply it.", peer, what
+                )
+    return indices
+
+
+def unpack_peer_values(
+    data: torch.Tensor,
+    rows: int,
+    cols: int,
+    encoding: str,
+    *,
+    peer: int | None = None,
+    what: str = "values",
+    sender: str | None = None,
+    where: str = "",
+    bound: float = MAX_PEER_MAGNITUDE,
+) -> torch.Tensor:
+    """:func:`unpack_values` for bytes another process sent, validated by the decoder rule.
+
+    Args:
+        data: Exactly ``value_nbytes(rows * cols, encoding, rows)`` uint8 bytes.
+        rows: Scale groups (from the receiver's own layout).
+        cols: Values per row.
+        encoding: One of :data:`VALUE_ENCODINGS` (the receiver's own configuration).
+        peer: The sending rank, carried by the error (``PeerPayloadError.peer``).
+        what: The field (``PeerPayloadError.field``); sign/ternary sub-fields are ``<what>.scale``,
+            ``<what>.codes`` and ``<what>.padding``.
+        sender: How the message names the sender (default ``"rank <peer>"``).
+        where: Appended to the field in the message (e.g. ``" for parameter piece 3"``).
+        bound: Largest accepted magnitude of a value or scale.
+
+    Raises:
+        PeerPayloadError: Wrong length or type; a NaN/Inf, negative or too large scale (sign/ternary); a ternary
+            code 3; non-zero padding bits; a non-finite value or one above ``bound``.
+    """
+    encoding = validate_value_encoding(encoding)
+    count = rows * cols
+    nbytes = value_nbytes(count, encoding, rows)
+    who = _sender(peer, sender)
+    with peer_decoding(peer, what):
+        _check_peer_bytes(data, nbytes, who, where, peer, what)
+        raw = data.reshape(-1)
+        if encoding in ("sign", "ternary"):
+            _check_low_bit(raw, rows, count, encoding, who, where, peer, what, bound)
+        values = unpack_values(raw, rows, cols, encoding)
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise PeerPayloadError(
+                f"{who} sent non-finite values{where} (field {what}); refusing to apply them (a diverged or corrupt"
+                " peer: check its loss, or restart from the last checkpoint).",
+                peer,
+                what,
+            )
+        largest = float(values.abs().max()) if values.numel() else 0.0
+        if largest > bound:
+            raise PeerPayloadError(
+                f"{who} sent a value of magnitude {largest:.3g}{where} (field {what}), above the bound {bound:.3g}"
+                " that no healthy run reaches; refusing to apply it (a corrupt or hostile peer).",
+                peer,
+                what,
+            )
+    return values
+
+
+def _check_low_bit(
+    raw: torch.Tensor,
+    rows: int,
+    count: int,
+    encoding: str,
+    who: str,
+    where: str,
+    peer: int | None,
+    what: str,
+    bound: float,
+) -> None:
+    """Scales finite, ``>= 0`` and bounded; no ternary code 3; padding bits zero (sign and ternary)."""
+    per_byte = 8 if encoding == "sign" else 4
+    body_bytes = raw.numel() - _SCALE_BYTES * rows
+    scale = raw[body_bytes:].clone().view(torch.float32)
+    field = f"{what}.scale"
+    if scale.numel() and not bool(torch.isfinite(scale).all()):
+        raise PeerPayloadError(
+            f"{who} sent non-finite values: a NaN/Inf scale{where} (field {field}); refusing it.", peer, field
+        )
+    if scale.numel() and bool((scale < 0).any()):
+        raise PeerPayloadError(
+            f"{who} sent a negative scale {float(scale.min()):.3g}{where} (field {field}; an honest scale is a mean"
+            " magnitude, >= 0); refusing it.",
+            peer,
+            field,
+        )
+    if scale.numel() and float(scale.max()) > bound:
+        raise PeerPayloadError(
+            f"{who} sent a scale of magnitude {float(scale.max()):.3g}{where} (field {field}), above the bound"
+            f" {bound:.3g}; refusing it.",
+            peer,
+            field,
+        )
+    codes = _unpack_bits(raw[:body_bytes], body_bytes * per_byte, per_byte)
+    if bool((codes[count:] != 0).any()):
+        raise PeerPayloadError(
+            f"{who} sent non-zero padding bits{where} (field {what}.padding); refusing them.", peer, f"{what}.padding"
+        )
+    if encoding == "ternary" and bool((codes == 3).any()):
+        raise PeerPayloadError(
+            f"{who} sent ternary code 3{where} (field {what}.codes; the codes are 0, 1 = +1 and 2 = -1); refusing it.",
+            peer,
+            f"{what}.codes",
+        )

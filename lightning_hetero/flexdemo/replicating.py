@@ -9,8 +9,10 @@
    local state, encode, and start the async inter-node collective for that bucket. Every replica must launch the
    same parameters in the same order (collectives are matched by order).
 3. ``step()`` launches everything not launched yet as one bucket, waits for every bucket in launch order, decodes
-   (identically on every replica), applies the update, then lets the replicator finish the step (DiLoCo's outer
-   sync). Results do not depend on how parameters were bucketed.
+   (identically on every replica) and checks every combined update (finite, at most ``MAX_PEER_MAGNITUDE``; see
+   :mod:`lightning_hetero.comm.validation`), and only then applies them, so a refused peer payload leaves every
+   parameter and all optimizer state untouched; then it lets the replicator finish the step (DiLoCo's outer sync).
+   Results do not depend on how parameters were bucketed.
 
 Parameters may be FSDP2 ``DTensor`` shards: the optimizer works on ``to_local()`` views; empty local shards cost no
 bytes and are updated trivially. All optimizer state is float32 (also under bf16 parameters) and lives in
@@ -33,7 +35,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_hetero.comm.validation import PeerPayloadError, report_dropped
 from lightning_hetero.flexdemo.replicators import Bucket, Replicator, build_replicator
+from lightning_hetero.flexdemo.replicators.base import check_combined
 
 try:  # DTensor moved to a public module in torch 2.4; keep plain tensors working without it
     from torch.distributed.tensor import DTensor
@@ -207,9 +211,19 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
         pending = [e for e in entries if e.key not in self._launched]
         if pending:
             self._launch(pending, early=False)
-        for bucket_entries, bucket in self._buckets:
-            for entry, combined in zip(bucket_entries, self.replicator.finish(bucket), strict=True):
-                self._apply(self.state[entry.param], local_tensor(entry.param), combined, entry.group)
+        # Decode and check every bucket before touching any parameter or optimizer state: a refused payload in a
+        # later bucket must not leave the earlier ones applied (on_bad_payload="raise": the weights stay as they were).
+        try:
+            decoded = [
+                (entry, self._checked(entry, combined))
+                for bucket_entries, bucket in self._buckets
+                for entry, combined in zip(bucket_entries, self.replicator.finish(bucket), strict=True)
+            ]
+        except PeerPayloadError:
+            self._buckets, self._launched, self._launched_early, self._step_open = [], set(), 0, False
+            raise
+        for entry, combined in decoded:
+            self._apply(self.state[entry.param], local_tensor(entry.param), combined, entry.group)
         self.replicator.end_step([(e.key, local_tensor(e.param)) for e in entries])
         self._last_stats = {
             **self.replicator.stats,
@@ -218,6 +232,21 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
         }
         self._buckets, self._launched, self._launched_early, self._step_open = [], set(), 0, False
         return loss
+
+    def _checked(self, entry: _Entry, combined: torch.Tensor) -> torch.Tensor:
+        """``combined`` if finite and within ``MAX_PEER_MAGNITUDE``; else raise, or (``on_bad_payload="drop"``) zeros.
+
+        The replicators already refuse such combinations; this keeps the guarantee for any :class:`Replicator`
+        subclass, right where the update meets the parameters.
+        """
+        try:
+            check_combined(combined, entry.key, f"the combined values from {type(self.replicator).__name__}")
+        except PeerPayloadError as error:
+            if self.replicator.on_bad_payload != "drop":
+                raise
+            report_dropped(error, f"piece {entry.key}: no update this step", self.replicator)
+            return torch.zeros_like(combined)
+        return combined
 
     def comm_stats(self) -> dict[str, Any]:
         """Of the last completed step: ``launched_early`` (parameters launched before ``step()``), ``buckets``,

@@ -11,8 +11,14 @@ it), starts one collective for a whole bucket of pieces (:meth:`Replicator.launc
   hands every rank the same sum.
 
 Buckets contain the same parameters in the same order on every replica (the optimizer guarantees it), so their byte
-layout is identical everywhere and no header is sent. A group of one (or no group: an unbound optimizer) sends
-nothing and decodes its own piece. Every collective is counted by :mod:`lightning_hetero.comm` as ``"inter"``.
+layout is identical everywhere and no header is sent. Every decode keeps the peer-payload rule of
+:mod:`lightning_hetero.comm.validation`: each rank's bytes are validated field by field (the validating codecs
+:func:`~lightning_hetero.comm.codecs.unpack_peer_indices` / :func:`~lightning_hetero.comm.codecs.unpack_peer_values`),
+and the combination is checked again (finite, magnitude at most ``MAX_PEER_MAGNITUDE``: values finite alone can sum
+past fp32's range, and an inverse DCT adds up a block's coefficients) before it is handed to the optimizer; anything
+else raises :class:`PeerPayloadError` naming the replica (when one can be named) and the field. A group of one (or
+no group: an unbound optimizer) sends nothing and decodes its own piece. Every collective is counted by
+:mod:`lightning_hetero.comm` as ``"inter"``.
 """
 
 from __future__ import annotations
@@ -28,13 +34,20 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm.codecs import validate_value_encoding
-from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
+from lightning_hetero.comm.validation import (
+    MAX_PEER_MAGNITUDE,
+    PeerPayloadError,
+    peer_decoding,
+    report_dropped,
+    validate_on_bad_payload,
+)
 
 __all__ = [
     "Bucket",
     "PeerPayloadError",
     "Piece",
     "Replicator",
+    "check_combined",
     "check_peer_values",
     "kept_count",
     "validate_compression",
@@ -87,13 +100,49 @@ class Bucket:
 
 
 def check_peer_values(values: torch.Tensor, rank: int, key: int) -> None:
-    """Refuse non-finite values from replica ``rank`` for piece ``key`` (every replica sees the same bytes, so every
-    replica raises the same error instead of applying NaN/Inf to its weights)."""
-    if not bool(torch.isfinite(values).all()):
+    """Refuse non-finite values, or values above ``MAX_PEER_MAGNITUDE``, from replica ``rank`` for piece ``key``
+    (every replica sees the same bytes, so every replica raises the same error instead of applying them)."""
+    if values.numel() and not bool(torch.isfinite(values).all()):
         raise PeerPayloadError(
             f"replica {rank} sent non-finite values for parameter piece {key}; refusing to apply them "
             "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint).",
             rank,
+            "values",
+        )
+    largest = float(values.abs().max()) if values.numel() else 0.0
+    if largest > MAX_PEER_MAGNITUDE:
+        raise PeerPayloadError(
+            f"replica {rank} sent values of magnitude {largest:.3g} for parameter piece {key}, above the bound"
+            f" {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply them.",
+            rank,
+            "values",
+        )
+
+
+def check_combined(combined: torch.Tensor, key: int, source: str, peer: int | None = None) -> None:
+    """Refuse a combined update for piece ``key`` that is non-finite or above ``MAX_PEER_MAGNITUDE``.
+
+    Args:
+        combined: What the optimizer would apply.
+        key: The parameter piece.
+        source: Who produced it, for the message (``"replica 2"``, ``"the replicas' all-reduced values"``).
+        peer: The replica to name in the error when a single one produced it.
+    """
+    field = "values" if peer is not None else "combined"
+    if combined.numel() and not bool(torch.isfinite(combined).all()):
+        raise PeerPayloadError(
+            f"{source} decode to non-finite values for parameter piece {key}; refusing to apply them (a corrupt or"
+            " hostile peer: finite values can still sum past fp32's range).",
+            peer,
+            field,
+        )
+    largest = float(combined.abs().max()) if combined.numel() else 0.0
+    if largest > MAX_PEER_MAGNITUDE:
+        raise PeerPayloadError(
+            f"{source} decode to an update of magnitude {largest:.3g} for parameter piece {key}, above the bound"
+            f" {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply it.",
+            peer,
+            field,
         )
 
 
@@ -184,8 +233,37 @@ class Replicator(ABC):
         it. Must produce the same wire size on every replica for the same key and shape."""
 
     def decode_gathered(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
-        """Combine every rank's bytes for ``piece`` (rank order) into a float32 tensor of ``piece.shape``."""
+        """Combine every rank's bytes for ``piece`` (rank order) into a float32 tensor of ``piece.shape``.
+
+        Raises:
+            PeerPayloadError: A rank's bytes break the payload rule (naming the replica and the field), or the
+                combination is non-finite or above ``MAX_PEER_MAGNITUDE`` (naming the replica whose own
+                contribution is, when one is).
+        """
+        return self._decode_ranks(piece, per_rank, list(range(len(per_rank))))
+
+    def _combine_gathered(self, piece: Piece, per_rank: list[torch.Tensor], ranks: list[int]) -> torch.Tensor:
+        """Validate and combine the bytes of replicas ``ranks`` (``per_rank[i]`` from ``ranks[i]``): subclasses."""
         raise NotImplementedError
+
+    def _decode_ranks(self, piece: Piece, per_rank: list[torch.Tensor], ranks: list[int]) -> torch.Tensor:
+        """:meth:`_combine_gathered`, then the combined check; a failing combination is blamed on a replica whose
+        own contribution fails alone (with ``combine="mean"`` one always does: the mean is a convex combination)."""
+        with peer_decoding(None, f"the combined update for parameter piece {piece.key}"):
+            combined = self._combine_gathered(piece, per_rank, ranks)
+        if len(ranks) == 1:
+            check_combined(combined, piece.key, f"replica {ranks[0]} sent values that", ranks[0])
+            return combined
+        try:
+            check_combined(combined, piece.key, f"the values of replicas {ranks}")
+        except PeerPayloadError as error:
+            for data, rank in zip(per_rank, ranks, strict=True):
+                try:
+                    self._decode_ranks(piece, [data], [rank])
+                except PeerPayloadError as alone:
+                    raise alone from error
+            raise
+        return combined
 
     def decode_reduced(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
         """Turn the all-reduced sum for ``piece`` into a float32 tensor of ``piece.shape``."""
@@ -248,6 +326,8 @@ class Replicator(ABC):
         """:meth:`decode_gathered`; under ``"drop"`` a refused replica is left out and the rest are combined.
 
         Every replica holds the same gathered bytes, so every replica leaves out the same ranks (and stays identical).
+        If the others still do not combine into a valid update (possible with ``combine="pickers"`` only), the piece
+        gets a zero update this step, on every replica alike.
         """
         try:
             return self.decode_gathered(piece, per_rank)
@@ -255,18 +335,28 @@ class Replicator(ABC):
             if self.on_bad_payload != "drop":
                 raise
             first = error
-        kept = []
-        for data in per_rank:
+        kept, ranks = [], []
+        for rank, data in enumerate(per_rank):
             try:
-                self.decode_gathered(piece, [data])
-                kept.append(data)
+                self._decode_ranks(piece, [data], [rank])
             except PeerPayloadError:
                 continue
+            kept.append(data)
+            ranks.append(rank)
         dropped = len(per_rank) - len(kept)
-        report_dropped(first, f"piece {piece.key}: combined the other {len(kept)} replica(s), left out {dropped}", self)
+        zero = torch.zeros(piece.shape, dtype=torch.float32, device=piece.wire.device)
         if not kept:
-            return torch.zeros(piece.shape, dtype=torch.float32, device=piece.wire.device)
-        return self.decode_gathered(piece, kept)
+            report_dropped(first, f"piece {piece.key}: every replica's payload refused, no update this step", self)
+            return zero
+        try:
+            combined = self._decode_ranks(piece, kept, ranks)
+        except PeerPayloadError as error:
+            report_dropped(
+                error, f"piece {piece.key}: replicas {ranks} do not combine either, no update this step", self
+            )
+            return zero
+        report_dropped(first, f"piece {piece.key}: combined the other {len(kept)} replica(s), left out {dropped}", self)
+        return combined
 
     def _decode_reduced_or_drop(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
         """:meth:`decode_reduced`; under ``"drop"`` a non-finite sum (no sender known) becomes a zero update."""

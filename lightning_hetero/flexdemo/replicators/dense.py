@@ -26,16 +26,20 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_values, value_nbytes
+from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_peer_values, value_nbytes
 from lightning_hetero.flexdemo.replicators.base import (
     PeerPayloadError,
     Piece,
     Replicator,
-    check_peer_values,
+    check_combined,
     kept_count,
 )
 
 __all__ = ["FullReplicator", "RandomReplicator", "StridingReplicator", "coordinate_schedule"]
+
+
+def _where(piece: Piece) -> str:
+    return f" for parameter piece {piece.key}"
 
 
 class _DenseValueReplicator(Replicator):
@@ -70,23 +74,32 @@ class _DenseValueReplicator(Replicator):
         return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.values, torch.uint8)
 
     def decode_reduced(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
-        """Mean over replicas of the slot values, placed back at their coordinates."""
+        """Mean over replicas of the slot values, placed back at their coordinates.
+
+        Raises:
+            PeerPayloadError: The sum is non-finite or its mean is above ``MAX_PEER_MAGNITUDE`` (no single sender
+                can be named: the all-reduce hands over the sum only).
+        """
         if not bool(torch.isfinite(summed).all()):
             raise PeerPayloadError(
                 f"the replicas' all-reduced values for parameter piece {piece.key} are non-finite: some replica sent "
-                "NaN/Inf; refusing to apply them (check the replicas' losses, or restart from the last checkpoint)."
+                "NaN/Inf; refusing to apply them (check the replicas' losses, or restart from the last checkpoint).",
+                None,
+                "combined",
             )
-        return self._expand(piece, summed.float() / self.num_replicas)
+        mean = summed.float() / self.num_replicas
+        check_combined(mean, piece.key, "the replicas' all-reduced values")
+        return self._expand(piece, mean)
 
-    def decode_gathered(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
-        """Rank-ordered sum of every rank's dequantized slot values, divided by the number of replicas."""
+    def _combine_gathered(self, piece: Piece, per_rank: list[torch.Tensor], ranks: list[int]) -> torch.Tensor:
+        """Rank-ordered sum of every rank's validated, dequantized slot values, divided by the number of replicas."""
         slots = piece.meta["slots"]
         total = torch.zeros(slots, dtype=torch.float32, device=piece.wire.device)
-        for rank, data in enumerate(per_rank):
-            if slots:
-                values = unpack_values(data, 1, slots, self.values).reshape(-1)
-                check_peer_values(values, rank, piece.key)
-                total += values
+        for rank, data in zip(ranks, per_rank, strict=True):
+            values = unpack_peer_values(
+                data, 1 if slots else 0, slots, self.values, peer=rank, sender=f"replica {rank}", where=_where(piece)
+            )
+            total += values.reshape(-1).to(total.device)
         return self._expand(piece, total / len(per_rank))
 
     def _expand(self, piece: Piece, slot_means: torch.Tensor) -> torch.Tensor:

@@ -29,18 +29,13 @@ from lightning_hetero.comm.codecs import (
     index_nbytes,
     pack_indices,
     pack_values,
-    unpack_indices,
+    unpack_peer_indices,
+    unpack_peer_values,
     unpack_values,
     validate_index_bits,
     value_nbytes,
 )
-from lightning_hetero.flexdemo.replicators.base import (
-    PeerPayloadError,
-    Piece,
-    Replicator,
-    check_peer_values,
-    kept_count,
-)
+from lightning_hetero.flexdemo.replicators.base import Piece, Replicator, kept_count
 from lightning_hetero.flexdemo.transforms import ChunkedDCT, FlatChunks
 
 __all__ = ["COMBINE_MODES", "DeMoReplicator", "TopKReplicator"]
@@ -124,27 +119,39 @@ class _SparseReplicator(Replicator):
         self.stats["encode_seconds"] += time.perf_counter() - started
         return Piece(key, shape, wire, {"k": k, "index_bytes": idx_bytes})
 
-    def decode_gathered(self, piece: Piece, per_rank: list[torch.Tensor]) -> torch.Tensor:
-        """Sum every rank's sparse coefficients in rank order, average, inverse transform."""
+    def _combine_gathered(self, piece: Piece, per_rank: list[torch.Tensor], ranks: list[int]) -> torch.Tensor:
+        """Sum every rank's validated sparse coefficients in rank order, average, inverse transform.
+
+        Each rank's indices must lie inside their block and be unique within it (a repeat would be applied twice by
+        ``pickers`` and ambiguously by the scatter), and its values must be finite and bounded
+        (:func:`~lightning_hetero.comm.codecs.unpack_peer_values`: also valid sign/ternary codes and scales).
+        """
         layout = self.transform.layout(piece.shape)
         if layout.n_blocks == 0:
             return torch.zeros(piece.shape, dtype=torch.float32, device=piece.wire.device)
         k, idx_bytes = piece.meta["k"], piece.meta["index_bytes"]
         total = torch.zeros(layout.n_blocks, layout.block_numel, dtype=torch.float32, device=piece.wire.device)
         pickers = torch.zeros_like(total) if self.combine == "pickers" else None
-        for rank, data in enumerate(per_rank):  # fixed rank order: the same float additions on every replica
-            indices = unpack_indices(data[:idx_bytes], layout.n_blocks * k, self.index_bits).view(layout.n_blocks, k)
-            indices = indices.to(total.device)
-            if indices.numel() and int(indices.max()) >= layout.block_numel:
-                raise PeerPayloadError(
-                    f"replica {rank} sent coefficient index {int(indices.max())} for parameter piece {piece.key}, "
-                    f"whose blocks have {layout.block_numel} coefficients; refusing to apply it."
-                )
-            rank_values = unpack_values(data[idx_bytes:], layout.n_blocks, k, self.values)
-            check_peer_values(rank_values, rank, piece.key)
-            total += torch.zeros_like(total).scatter_(1, indices, rank_values)
+        where = f" for parameter piece {piece.key}, whose blocks have {layout.block_numel} coefficients"
+        for rank, data in zip(ranks, per_rank, strict=True):  # fixed rank order: the same additions on every replica
+            flat = data.reshape(-1)
+            indices = unpack_peer_indices(
+                flat[:idx_bytes],
+                layout.n_blocks * k,
+                self.index_bits,
+                limit=layout.block_numel,
+                rows=layout.n_blocks,
+                peer=rank,
+                sender=f"replica {rank}",
+                where=where,
+            )
+            rank_values = unpack_peer_values(
+                flat[idx_bytes:], layout.n_blocks, k, self.values, peer=rank, sender=f"replica {rank}", where=where
+            )
+            indices = indices.view(layout.n_blocks, k).to(total.device)
+            total += torch.zeros_like(total).scatter_(1, indices, rank_values.to(total.device))
             if pickers is not None:
-                pickers.scatter_add_(1, indices, torch.ones_like(rank_values))
+                pickers.scatter_add_(1, indices, torch.ones_like(total[:, :k]))
         total = total / pickers.clamp(min=1.0) if pickers is not None else total / len(per_rank)
         return self.transform.decode(total, piece.shape)
 
