@@ -7,6 +7,12 @@ on every rank, global rank 0 writes ``<checkpoint>.manifest.json`` with every fi
 ``lightning_hetero.reliability.latest_good_checkpoint(dirpath)``: the newest checkpoint with a manifest whose files
 all match, so a crash during a save or a corrupted file falls back to the previous checkpoint.
 
+A checkpoint given by path (``trainer.fit(ckpt_path=...)``) is checked against its manifest too (a warning when it
+has none). lightning-hetero's strategies do it in ``load_checkpoint``, before anything of the file is unpickled.
+For other strategies this callback does it in ``on_train_start``: Lightning tells callbacks the path only once the
+checkpoint is loaded (``setup`` runs before the load but without the path), so the check there runs after the load
+(``weights_only``, nothing executed) and before the first training step, and a damaged file stops the fit there.
+
 YAML (LightningCLI)::
 
     trainer:
@@ -25,7 +31,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_hetero.reliability.checkpoints import checkpoint_bytes, remove_manifest, write_manifest
+from lightning_hetero.reliability.checkpoints import (
+    checkpoint_bytes,
+    remove_manifest,
+    verify_resume_checkpoint,
+    write_manifest,
+)
 
 __all__ = ["VerifiedCheckpoint"]
 
@@ -90,6 +101,13 @@ class VerifiedCheckpoint(ModelCheckpoint):
                     "bytes": checkpoint_bytes(filepath),
                 }
             )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # Our strategies verified the file before loading it; stock ones did not, so do it before the first step.
+        if trainer.ckpt_path is not None and not getattr(trainer.strategy, "verifies_checkpoints", False):
+            verify_resume_checkpoint(trainer.ckpt_path)
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:

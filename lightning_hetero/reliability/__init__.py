@@ -9,12 +9,15 @@ from lightning_hetero.reliability.checkpoints import (
     CheckpointScan,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    NoGoodCheckpointError,
+    UnverifiedCheckpointWarning,
     checkpoint_bytes,
     latest_good_checkpoint,
     manifest_file,
     remove_manifest,
     scan_checkpoints,
     verify_checkpoint,
+    verify_resume_checkpoint,
     write_manifest,
 )
 from lightning_hetero.reliability.faults import ENV_VAR, FAULT_KINDS, FaultPlan, corrupt_file, restart_count
@@ -29,6 +32,8 @@ __all__ = [
     "CorruptCheckpointError",
     "FaultPlan",
     "IncompleteCheckpointError",
+    "NoGoodCheckpointError",
+    "UnverifiedCheckpointWarning",
     "checkpoint_bytes",
     "corrupt_file",
     "destroy_process_group_at_exit",
@@ -42,5 +47,6 @@ __all__ = [
     "restart_count",
     "scan_checkpoints",
     "verify_checkpoint",
+    "verify_resume_checkpoint",
     "write_manifest",
 ]

@@ -9,12 +9,15 @@ strategy needs, once:
 - the no-sync scope of gradient accumulation (``block_backward_sync`` / ``fabric.no_backward_sync``);
 - gradient clipping with the runtime's definition of the norm (``gradient_clip_val`` / ``fabric.clip_gradients``);
 - checkpoints: the runtime's extra state under ``runtime.checkpoint_key``, and directory checkpoints (one part per
-  writing rank plus metadata) for strategies whose ranks hold different tensors;
+  writing rank plus metadata) for strategies whose ranks hold different tensors; every load is ``weights_only``
+  whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, and a checkpoint with a manifest is verified
+  against it before a byte of it is unpickled (one without gets an ``UnverifiedCheckpointWarning``);
 - ``runtime.teardown()`` at the end of a fit.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -32,6 +35,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import StrategyRuntime, WorldLayout, remove_checkpoint, write_part
+from lightning_hetero.core.checkpoint_dir import require_safe_loading
+from lightning_hetero.reliability.checkpoints import verify_resume_checkpoint
 from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit
 from lightning_hetero.reliability.timeouts import inherit_group_timeout
 
@@ -45,6 +50,8 @@ class _RuntimeLifecycle:
 
     runtime: StrategyRuntime
     _sync_blocked: bool = False
+    verifies_checkpoints: bool = True
+    """Loads check a checkpoint against its manifest themselves (``VerifiedCheckpoint`` need not do it again)."""
 
     @override
     def _configure_launcher(self) -> None:
@@ -82,6 +89,25 @@ class _RuntimeLifecycle:
         if self.is_global_zero:  # type: ignore[attr-defined]
             self.runtime.write_checkpoint_meta(directory)
         self.barrier("lightning_hetero_checkpoint_saved")  # type: ignore[attr-defined]
+
+    def _prepare_load(self, path: Any, weights_only: bool | None) -> None:
+        """Before anything of ``path`` is unpickled: verify it against its manifest (warn when it has none) and make
+        sure ``torch.load(weights_only=True)`` is what runs, whatever the caller or the environment asks for.
+
+        Raises:
+            CorruptCheckpointError, IncompleteCheckpointError: the checkpoint does not match its manifest.
+            UnsafeLoadError: this torch would unpickle arbitrary objects despite ``weights_only=True``.
+        """
+        if weights_only is False:
+            warnings.warn(
+                f"{self.runtime.owner}: weights_only=False is ignored; checkpoints are always loaded with "
+                "weights_only=True (tensors and plain containers), so a crafted file cannot run code. To load other "
+                "types you trust, register them with torch.serialization.add_safe_globals([...]).",
+                UserWarning,
+                stacklevel=3,
+            )
+        verify_resume_checkpoint(path)
+        require_safe_loading()
 
     def _load_directory_checkpoint(self, path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         rank = self.global_rank  # type: ignore[attr-defined]
@@ -192,10 +218,11 @@ class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._prepare_load(checkpoint_path, weights_only)
         if self.runtime.directory_checkpoint:
             checkpoint = self._load_directory_checkpoint(checkpoint_path)
-        else:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:  # never what the caller passed: None lets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD unpickle anything
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
         self._restore_extra_state(checkpoint)
         return checkpoint
 
@@ -340,8 +367,9 @@ class FabricStrategyBase(_RuntimeLifecycle, FabricDDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if not self.runtime.directory_checkpoint:
-            remainder = super().load_checkpoint(path, state, strict, weights_only)
+        self._prepare_load(path, weights_only)
+        if not self.runtime.directory_checkpoint:  # weights_only forced: see TrainerStrategyBase.load_checkpoint
+            remainder = super().load_checkpoint(path, state, strict, weights_only=True)
             self._restore_extra_state(remainder)
             return remainder
         checkpoint = self._load_directory_checkpoint(path, map_location=self.root_device)

@@ -161,7 +161,8 @@ class MatFormerStrategy(FabricStrategyBase):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         if isinstance(state, Optimizer):
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            self._prepare_load(path, weights_only)  # verified, and never unpickled whatever weights_only says
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)
             state.load_state_dict(self._slice_optimizer_state(checkpoint, state))
             return {}
         if not isinstance(state, dict):

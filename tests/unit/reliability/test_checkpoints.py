@@ -15,6 +15,7 @@ from lightning_hetero.core.checkpoint_dir import load_part, write_part
 from lightning_hetero.reliability import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    NoGoodCheckpointError,
     corrupt_file,
     latest_good_checkpoint,
     manifest_file,
@@ -87,7 +88,10 @@ def test_missing_part_or_manifest_means_incomplete(tmp_path):
     remove_manifest(previous)
     with pytest.raises(IncompleteCheckpointError, match="no manifest"):
         verify_checkpoint(previous)
-    assert latest_good_checkpoint(tmp_path) is None
+    with pytest.raises(NoGoodCheckpointError, match="none is complete"):  # never a silent start from step 0
+        latest_good_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="Starting fresh"):
+        assert latest_good_checkpoint(tmp_path, allow_fresh_start=True) is None
 
 
 def test_unreadable_manifest_is_corrupt(tmp_path):

@@ -11,7 +11,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero.callbacks import VerifiedCheckpoint
-from lightning_hetero.reliability import corrupt_file, latest_good_checkpoint, manifest_file, verify_checkpoint
+from lightning_hetero.reliability import (
+    CorruptCheckpointError,
+    UnverifiedCheckpointWarning,
+    corrupt_file,
+    latest_good_checkpoint,
+    manifest_file,
+    verify_checkpoint,
+)
 
 
 class Linear(L.LightningModule):
@@ -67,6 +74,36 @@ def test_resume_from_latest_good_equals_the_uninterrupted_run(tmp_path):
     for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     assert manifest_file(tmp_path / "cut" / "step=000006.ckpt").is_file()
+
+
+def _flip_one_weight_bit(path: Path) -> None:
+    """Flip the lowest bit of the stored ``layer.weight`` (a silent corruption: the file still loads)."""
+    weight = torch.load(path, weights_only=True)["state_dict"]["layer.weight"]
+    data = bytearray(path.read_bytes())
+    offset = data.find(weight.numpy().tobytes())
+    assert offset >= 0
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["state_dict"]["layer.weight"], weight)
+
+
+def test_a_flipped_bit_in_ckpt_path_stops_the_fit_before_the_first_step(tmp_path):
+    """Stock strategy: the callback verifies the given ckpt_path (after Lightning loaded it, before training)."""
+    _fit(tmp_path, max_steps=4)
+    given = tmp_path / "step=000004.ckpt"
+    _flip_one_weight_bit(given)
+    with pytest.raises(CorruptCheckpointError, match="does not match"):
+        _fit(tmp_path, max_steps=6, ckpt_path=given)
+    assert not (tmp_path / "step=000006.ckpt").exists()
+
+
+def test_a_ckpt_path_without_manifest_resumes_with_a_warning(tmp_path):
+    _fit(tmp_path, max_steps=4)
+    given = tmp_path / "step=000004.ckpt"
+    manifest_file(given).unlink()
+    with pytest.warns(UnverifiedCheckpointWarning, match="no manifest"):
+        _fit(tmp_path, max_steps=6, ckpt_path=given)
+    assert verify_checkpoint(tmp_path / "step=000006.ckpt")["step"] == 6
 
 
 @pytest.mark.parametrize(
