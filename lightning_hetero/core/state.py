@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -84,6 +84,29 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _bounded_float(text: str) -> float:
+    # float("1e999") is inf: the peer rule allows finite values of magnitude <= MAX_PEER_MAGNITUDE only
+    value = float(text)
+    if not math.isfinite(value) or abs(value) > MAX_PEER_MAGNITUDE:
+        raise ValueError(f"number {text[:40]} is not finite or above the bound 2**64")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 20 or abs(value := int(text)) > MAX_PEER_MAGNITUDE:  # 2**64 has 20 digits
+        raise ValueError(f"integer {text[:40]}{'...' if len(text) > 40 else ''} is above the bound 2**64")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of duplicate keys: ranks reading the same bytes differently must not be possible
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicates = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate keys {[k[:40] for k in duplicates[:4]]}")
+    return dict(pairs)
+
+
 def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None) -> Any:
     """Parse rank ``rank``'s UTF-8 JSON bytes and check them against ``schema`` (never pickle, never eval).
 
@@ -94,12 +117,23 @@ def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None)
             type(s) (``type(None)`` allows null).
 
     Raises:
-        PeerPayloadError: Not UTF-8, not JSON (NaN/Infinity constants included), or not of the schema.
+        PeerPayloadError: Not UTF-8, not JSON (NaN/Infinity constants included), a number that is not finite or of
+            magnitude above ``MAX_PEER_MAGNITUDE`` (``1e999`` parses to inf), a key given twice, or not of the schema.
     """
     try:
-        value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        value = json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_refuse_constant,
+            parse_float=_bounded_float,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise PeerPayloadError(f"rank {rank} sent a setup document that is not JSON: {error}", rank) from None
+        raise PeerPayloadError(
+            f"rank {rank} sent a setup document that is not JSON within the peer-payload rule: {error}",
+            rank,
+            "document",
+        ) from None
     if schema is None:
         return value
     if not isinstance(value, dict) or set(value) != set(schema):
@@ -108,6 +142,7 @@ def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None)
             f"rank {rank} sent a setup document with keys {keys}, expected {sorted(schema)} (a different version"
             " or configuration of lightning-hetero on that rank?).",
             rank,
+            "document",
         )
     for key, expected in schema.items():
         item = value[key]
@@ -117,6 +152,7 @@ def decode_json_payload(raw: bytes, rank: int, schema: JsonSchema | None = None)
                 f"rank {rank} sent {key}={repr(item)[:80]} of type {type(item).__name__} in its setup document,"
                 f" expected {expected}.",
                 rank,
+                key,
             )
     return value
 
