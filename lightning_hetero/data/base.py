@@ -252,13 +252,18 @@ def make_dataloader(
     num_workers: int,
     seed: int,
     collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+    ordered: bool = False,
 ) -> DataLoader:
     """Training loaders shuffle by ``seed + epoch``, drop the last partial batch and are resumable mid-epoch.
 
     Training loaders are :class:`~lightning_hetero.data.stateful.StatefulDataLoader`: the Trainer (and Fabric, when
     the loader is in the saved state) checkpoint their position, so a resumed run continues with the next batch.
-    Validation loaders are plain, in order. No distributed sampler is set: in distributed runs the Trainer swaps in a
-    ``DistributedSampler`` (it keeps ``shuffle``; the loader's position still applies to it).
+    Evaluation loaders are plain and read the split in one fixed seeded order (:class:`FixedOrderSampler`, from
+    ``seed``), the same every pass, process and run, so their first batches are a fair sample of a split stored in a
+    meaningful order (by class, by document); ``ordered=True`` keeps storage order instead (predictions). No
+    distributed sampler is set: in distributed runs the Trainer swaps in a ``DistributedSampler`` (it keeps
+    ``shuffle``; the loader's position still applies to it), or wraps the fixed order in a
+    ``DistributedSamplerWrapper``, which deals it out to the ranks in that order.
     """
     common: dict[str, Any] = {
         "batch_size": batch_size,
@@ -269,7 +274,9 @@ def make_dataloader(
     }
     if train:
         return StatefulDataLoader(dataset, shuffle=True, seed=seed, **common)
-    return DataLoader(dataset, shuffle=False, **common)
+    if ordered:
+        return DataLoader(dataset, shuffle=False, **common)
+    return DataLoader(dataset, sampler=FixedOrderSampler(len(dataset), seed), **common)
 
 
 class DatasetSplitsMixin:
@@ -277,8 +284,9 @@ class DatasetSplitsMixin:
 
     Subclasses fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()`` and set ``batch_size``,
     ``num_workers`` and ``seed``. There is no third split: the offline corpora are small, so ``test_dataloader()`` and
-    ``predict_dataloader()`` return the validation loader and ``lightning-hetero test`` / ``predict`` evaluate the
-    held-out validation data. Put the mixin before ``LightningDataModule`` in the bases.
+    ``predict_dataloader()`` read the validation split and ``lightning-hetero test`` / ``predict`` evaluate the
+    held-out validation data (validation and test in a fixed seeded order, predict in
+    storage order). Put the mixin before ``LightningDataModule`` in the bases.
     """
 
     _datasets: dict[str, Any]
@@ -314,7 +322,7 @@ class DatasetSplitsMixin:
         """Subclass hook: the loaders' batch collator (None: PyTorch's default collation)."""
         return None
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def _loader(self, split: str, train: bool, ordered: bool = False) -> DataLoader:
         return make_dataloader(
             self._dataset(split),
             batch_size=self.batch_size,
@@ -322,6 +330,7 @@ class DatasetSplitsMixin:
             num_workers=self.num_workers,
             seed=self.seed,
             collate_fn=self._collate_fn(),
+            ordered=ordered,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -329,7 +338,7 @@ class DatasetSplitsMixin:
         return self._loader("train", train=True)
 
     def val_dataloader(self) -> DataLoader:
-        """Validation batches in order."""
+        """Validation batches in a fixed seeded order (a fair sample from the first batch on; the same every pass)."""
         return self._loader("validation", train=False)
 
     def test_dataloader(self) -> DataLoader:
@@ -337,5 +346,5 @@ class DatasetSplitsMixin:
         return self.val_dataloader()
 
     def predict_dataloader(self) -> DataLoader:
-        """The validation loader (see the class docstring)."""
-        return self.val_dataloader()
+        """The validation split in storage order, so that prediction ``i`` belongs to example ``i``."""
+        return self._loader("validation", train=False, ordered=True)
