@@ -1,4 +1,5 @@
-"""Bit-packing codecs: exact round trips, exact byte counts, odd and empty counts, bad arguments."""
+"""Bit-packing codecs: exact round trips, exact byte counts, odd and empty counts, bad arguments; the validating
+peer decoders (``unpack_peer_indices`` / ``unpack_peer_values``) refuse every invalid field, naming peer and field."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from lightning_hetero.comm.codecs import (
     pack_indices,
     pack_values,
     unpack_indices,
+    unpack_peer_indices,
+    unpack_peer_values,
     unpack_values,
     value_nbytes,
 )
+from lightning_hetero.comm.validation import PeerPayloadError
 
 
 @pytest.mark.parametrize("bits", [12, 16])
@@ -90,3 +94,66 @@ def test_bad_arguments_name_the_valid_values() -> None:
         pack_values(torch.zeros(2), "int8")
     with pytest.raises(ValueError, match="count must be >= 0"):
         index_nbytes(-1, 12)
+
+
+# --------------------------------------------------------------------------------------------- peer decoders
+@pytest.mark.parametrize("bits", [12, 16])
+@pytest.mark.parametrize("encoding", ["fp32", "bf16", "sign", "ternary"])
+def test_peer_decoders_accept_what_the_packers_produce(bits: int, encoding: str, device: torch.device) -> None:
+    generator = torch.Generator().manual_seed(bits)
+    indices = torch.stack([torch.randperm(64, generator=generator)[:5] for _ in range(3)]).to(device)
+    values = torch.randn(3, 5, generator=generator).to(device)
+    decoded = unpack_peer_indices(pack_indices(indices, bits), 15, bits, limit=64, rows=3, peer=1)
+    assert torch.equal(decoded, indices.reshape(-1))
+    assert torch.equal(
+        unpack_peer_values(pack_values(values, encoding), 3, 5, encoding, peer=1), dequantize_values(values, encoding)
+    )
+
+
+def _refused(decode, peer: int, field: str, match: str) -> None:
+    with pytest.raises(PeerPayloadError, match=match) as error:
+        decode()
+    assert (error.value.peer, error.value.field) == (peer, field)
+
+
+def test_peer_indices_refuse_range_repeats_padding_and_length(device: torch.device) -> None:
+    packed = pack_indices(torch.tensor([1, 2, 3], device=device), 12)
+    _refused(lambda: unpack_peer_indices(packed, 3, 12, limit=3, peer=2), 2, "indices", "rank 2 sent index 3 .*0, 3")
+    repeated = pack_indices(torch.tensor([5, 5, 0, 1], device=device), 16)
+    _refused(lambda: unpack_peer_indices(repeated, 4, 16, limit=8, rows=2, peer=0), 0, "indices", "repeats an index")
+    assert unpack_peer_indices(repeated, 4, 16, limit=8, rows=4).tolist() == [5, 5, 0, 1]  # a repeat across rows
+    padded = packed.clone()
+    padded[-1] |= 0x10  # the lone last index's unused high nibble
+    assert torch.equal(unpack_indices(padded, 3, 12), unpack_indices(packed, 3, 12))  # the trusting codec ignores it
+    _refused(lambda: unpack_peer_indices(padded, 3, 12, limit=8, peer=1), 1, "indices", "padding bits")
+    _refused(lambda: unpack_peer_indices(packed[:-1], 3, 12, limit=8, peer=1), 1, "indices", "sent 4 bytes")
+    longer = torch.cat([packed, packed])
+    _refused(lambda: unpack_peer_indices(longer, 3, 12, limit=8, peer=1), 1, "indices", "expected 5")
+    _refused(lambda: unpack_peer_indices(packed.float(), 3, 12, limit=8, peer=1), 1, "indices", "not uint8")
+
+
+def _ternary(codes: list[int], scale: float) -> torch.Tensor:
+    body = sum(code << (2 * i) for i, code in enumerate(codes))
+    return torch.cat([torch.tensor([body], dtype=torch.uint8), torch.tensor([scale]).view(torch.uint8)])
+
+
+def test_peer_values_refuse_invalid_codes_scales_padding_and_values(device: torch.device) -> None:
+    assert unpack_peer_values(_ternary([1, 2, 0], 2.0).to(device), 1, 3, "ternary").tolist() == [[2.0, -2.0, 0.0]]
+    code_3 = _ternary([1, 3, 0], 2.0).to(device)
+    assert unpack_values(code_3, 1, 3, "ternary").tolist() == [[2.0, 6.0, 0.0]]  # what used to be applied
+    _refused(lambda: unpack_peer_values(code_3, 1, 3, "ternary", peer=1), 1, "values.codes", "ternary code 3")
+    negative = _ternary([1, 2, 0], -2.0).to(device)
+    _refused(lambda: unpack_peer_values(negative, 1, 3, "ternary", peer=1), 1, "values.scale", "negative scale")
+    sign = pack_values(torch.tensor([[1.0, -1.0]], device=device), "sign")
+    sign[-4:] = torch.tensor([-1.0]).view(torch.uint8).to(device)
+    _refused(lambda: unpack_peer_values(sign, 1, 2, "sign", peer=3), 3, "values.scale", "negative scale")
+    for bad in (float("nan"), float("inf"), 2.0**65):
+        scaled = _ternary([1, 0, 0], bad).to(device)
+        _refused(lambda scaled=scaled: unpack_peer_values(scaled, 1, 3, "ternary", peer=1), 1, "values.scale", "scale")
+    padded = _ternary([1, 0, 0, 1], 1.0).to(device)  # a fourth code where only three are announced
+    _refused(lambda: unpack_peer_values(padded, 1, 3, "ternary", peer=1), 1, "values.padding", "padding bits")
+    for bad in (float("nan"), -float("inf"), 3.4e38):
+        raw = torch.tensor([1.0, bad], device=device).view(torch.uint8)
+        _refused(lambda raw=raw: unpack_peer_values(raw, 1, 2, "fp32", peer=1), 1, "values", "rank 1 sent")
+    raw = torch.tensor([1.0, 2.0], device=device).view(torch.uint8)
+    _refused(lambda: unpack_peer_values(raw[:-1], 1, 2, "fp32", peer=1), 1, "values", "sent 7 bytes")

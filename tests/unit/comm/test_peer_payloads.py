@@ -20,6 +20,7 @@ from lightning_hetero.comm.validation import (
 )
 from lightning_hetero.core.state import all_gather_json, decode_json_payload
 from lightning_hetero.flexdemo.replicators.base import PeerPayloadError as FlexDeMoPeerPayloadError
+from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 SCHEMA = {"error": (str, type(None)), "schema": (dict, type(None)), "step": int}
@@ -72,6 +73,57 @@ def test_random_bytes_unpack_to_the_announced_shape_or_are_refused(data, rows, c
     except ValueError:
         return
     assert values.shape == (rows, cols) and values.dtype == torch.float32  # finiteness: the callers' check_finite
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.zeros(0, dtype=torch.uint8)
+
+
+@FUZZ
+@given(
+    st.binary(max_size=64), st.integers(0, 40), st.sampled_from(codecs.INDEX_BITS), st.integers(1, 5000), st.booleans()
+)
+def test_random_bytes_keep_the_rule_in_the_peer_index_decoder(data, count, bits, limit, unique):
+    def layout(indices: torch.Tensor) -> None:
+        assert indices.shape == (count,) and indices.dtype == torch.int64
+        assert count == 0 or (int(indices.min()) >= 0 and int(indices.max()) < limit)
+        if unique:
+            assert indices.unique().numel() == count
+        assert torch.equal(codecs.pack_indices(indices, bits), _bytes(data))  # canonical: nothing was ignored
+
+    assert_decoder_rule(
+        lambda: codecs.unpack_peer_indices(_bytes(data), count, bits, limit=limit, rows=1 if unique else 0, peer=4),
+        peer=4,
+        check_layout=layout,
+    )
+
+
+@FUZZ
+@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(codecs.VALUE_ENCODINGS))
+def test_random_bytes_keep_the_rule_in_the_peer_value_decoder(data, rows, cols, encoding):
+    def layout(values: torch.Tensor) -> None:
+        assert values.shape == (rows, cols) and values.dtype == torch.float32
+
+    assert_decoder_rule(
+        lambda: codecs.unpack_peer_values(_bytes(data), rows, cols, encoding, peer=2), peer=2, check_layout=layout
+    )
+
+
+@FUZZ
+@given(
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.sampled_from(codecs.VALUE_ENCODINGS),
+    st.integers(0, 10**6),
+    st.integers(0, 255),
+)
+def test_a_valid_value_payload_with_one_corrupted_byte_keeps_the_rule(rows, cols, encoding, position, byte):
+    packed = codecs.pack_values(torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)), encoding)
+    packed[position % packed.numel()] = byte
+    decoded = assert_decoder_rule(lambda: codecs.unpack_peer_values(packed, rows, cols, encoding, peer=1), peer=1)
+    if decoded is not None and encoding in ("sign", "ternary"):  # accepted: valid codes, a scale >= 0
+        scale = packed[-4 * rows :].clone().view(torch.float32)
+        assert bool((scale >= 0).all()) and bool((decoded.abs() <= scale[:, None]).all())
 
 
 @FUZZ
