@@ -287,8 +287,8 @@ def describe_coverage(trainer: Trainer, ddp_label: str | None = None, count_ddp:
             "FlexDeMo this is the intra-node shard group, whose inter-node replica traffic is counted)"
         )
     ours = type(strategy).__module__.startswith("lightning_hetero.")
-    if not (ours or fsdp1 or fsdp2 or isinstance(model, DistributedDataParallel)):
-        missing.append(f"every collective of {type(strategy).__name__} (it does not use lightning_hetero.comm)")
+    if not (ours or isinstance(model, DistributedDataParallel)):
+        missing.append(f"any other collective {type(strategy).__name__} issues (it does not use lightning_hetero.comm)")
     missing.append(
         "Lightning's own collectives: self.log(..., sync_dist=True) reductions and strategy.broadcast/barrier/"
         "all_gather"

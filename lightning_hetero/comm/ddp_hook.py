@@ -14,8 +14,7 @@ broadcast of the module's buffers from rank 0 before every forward (see :func:`d
 Nothing here imports Lightning.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP inspects the hook's annotations and refuses strings.
 from dataclasses import dataclass, field
 from typing import Any
 
