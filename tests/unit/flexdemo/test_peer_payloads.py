@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from lightning_hetero.comm.codecs import pack_indices, pack_values
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
 from lightning_hetero.flexdemo.optim import DecoupledAdamW
-from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, Piece, build_replicator
+from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, FullReplicator, Piece, build_replicator
 from lightning_hetero.flexdemo.replicators.base import PeerPayloadError
 from tests.payload_rule import assert_decoder_rule
 
@@ -239,6 +239,31 @@ def test_no_parameter_moves_when_a_later_bucket_is_refused():
     with pytest.raises(PeerPayloadError, match="replica 1"):
         optimizer.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+
+
+class _Unchecked(FullReplicator):
+    """A third-party replicator that skips the combined check: the optimizer's own check must still hold."""
+
+    def decode_reduced(self, piece: Piece, summed: torch.Tensor) -> torch.Tensor:
+        return self._expand(piece, summed.float() / self.num_replicas)
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_the_optimizer_refuses_an_out_of_bound_combination_from_any_replicator(policy):
+    replicator = _Unchecked()
+    replicator.set_bad_payload_policy(policy)
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = DecoupledAdamW([param], lr=0.1, weight_decay=0.0, replicator=replicator)
+    param.grad = torch.tensor([1.0, F32_MAX, 1.0, 1.0])  # finite; squared into Adam's second moment it is Inf
+    if policy == "raise":
+        with pytest.raises(PeerPayloadError, match="magnitude") as error:
+            optimizer.step()
+        assert error.value.field == "combined"
+        assert torch.equal(param.detach(), torch.ones(4)) and not optimizer.state[param]
+        return
+    optimizer.step()  # the piece gets a zero update, like a refused all-reduce
+    assert torch.equal(param.detach(), torch.ones(4)) and replicator.dropped_payloads == 1
+    assert all(bool(torch.isfinite(value).all()) for value in optimizer.state[param].values())
 
 
 # ------------------------------------------------------------------------------------------------- fuzzing
