@@ -18,8 +18,11 @@ stage boundary backwards, so there is no pipeline bubble and a step's link time 
 boundary. In synchronous mode the result equals training every block on the detached output of the block before it,
 step by step, in one process (tests/dist/test_layerwise_strategy.py checks it bit for bit).
 
+:meth:`DecoupledRuntime.export` writes the whole trained model (every stage's share gathered to global rank 0) in the
+format of ``GreedyLayerwise``'s export: HF ``save_pretrained``, or ``model.pt`` for a CNN.
+
 Ledger labels: activations, headers and the evaluation loss broadcast use ``pipeline``; the replicas' gradient
-average uses ``intra``. Nothing here imports Lightning.
+average uses ``intra``; the export's transfer uses the subspace export's label. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -331,6 +334,30 @@ class DecoupledRuntime(StrategyRuntime):
         """Forward through the whole pipeline; the model's logits on the last stage, None on the others."""
         hidden = self._eval_hidden(batch)
         return self.stage.head(hidden) if self.is_last else None
+
+    def export(self, path: str | Path) -> str | None:
+        """Write the whole model to ``path`` as an ordinary model (collective: every rank calls it; rank 0 writes).
+
+        Each stage's share (replica 0's) is gathered to global rank 0 as safetensors bytes (sizes bounded, values
+        checked, nothing unpickled), joined and written with
+        :func:`~lightning_hetero.layerwise.export.save_model`: HF models with ``save_pretrained``
+        (``from_pretrained`` loads them; a tied embedding / LM head, trained as two copies by the first and last
+        stage, is exported untied), others as ``model.pt``. Auxiliary heads are not part of it.
+
+        Returns:
+            ``path`` on global rank 0, None elsewhere.
+        """
+        from lightning_hetero.layerwise.export import merge_stage_states, save_model, stage_export_state
+        from lightning_hetero.subspace.checkpoint import gather_stage_states
+
+        self.flush()
+        root = self._stack.root
+        device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+        states = gather_stage_states(stage_export_state(root), self.layout, self._groups.rank, device)
+        if states is None:
+            return None
+        save_model(root, merge_stage_states(states, root), path, untie=self.num_stages > 1)
+        return str(path)
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

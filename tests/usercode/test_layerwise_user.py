@@ -2,7 +2,9 @@
 
 - ``GreedyLayerwise`` added to a plain Trainer with Lightning's default DDP (``strategy="ddp"``, no
   ``find_unused_parameters``) on 2 spawned gloo ranks: every stage trains, the ranks stay identical (auxiliary heads
-  included), the progress bar names what it shows, and the export loads with ``from_pretrained``.
+  included), and the export loads with ``from_pretrained``.
+- ``LayerwiseStrategy`` (DGL, ``strategy: layerwise``) on a user module on 2 ranks with ``export_dir``: the export
+  loads with ``from_pretrained`` and gives the logits of the trained stages.
 
 The Trainer runs inside :func:`~lightning_hetero.testing.run_distributed` workers: the process group exists already
 (Lightning sees ``LOCAL_RANK`` and launches nothing), so ``strategy="ddp"`` never runs in the pytest process.
@@ -20,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_hetero.callbacks import GreedyLayerwise
+from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
 from lightning_hetero.testing import run_distributed
 from tests.usercode.usernets import Progressions, UserLlama
 
@@ -94,3 +97,30 @@ def test_greedy_layerwise_under_default_ddp_on_two_ranks(tmp_path: Path) -> None
         assert torch.equal(value, first["state"][f"model.{name}"]), name
     batch = {"input_ids": Progressions(4, seed=5).ids}
     assert exported(**batch).logits.isfinite().all()
+
+
+def _dgl_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = UserLlama(train_items=32, batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=LayerwiseStrategy(num_stages=2, export_dir=str(out / "dgl")),
+        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    batch = {"input_ids": Progressions(4, seed=5).ids}
+    logits = trainer.strategy.runtime.predict(batch)  # forward through the trained stages (collective)
+    return {"logits": logits, "bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dgl_layerwise_on_a_user_module_exports_the_trained_model(tmp_path: Path) -> None:
+    results = run_distributed(_dgl_worker, 2, tmp_path, timeout=500)
+    assert results[0]["logits"] is None and results[1]["logits"] is not None
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "dgl").eval()
+    with torch.no_grad():
+        logits = exported(input_ids=Progressions(4, seed=5).ids).logits
+    torch.testing.assert_close(logits, results[1]["logits"], rtol=1e-5, atol=1e-5)

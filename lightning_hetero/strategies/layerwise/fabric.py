@@ -16,11 +16,14 @@ strategy. Usage::
 
 ``fabric.backward`` is not used. ``strategy.eval_step(batch)`` is the forward-only pass through every stage (the
 model's loss on every rank); ``fabric.save``/``fabric.load`` write and read a folder with one file per stage.
+``strategy.export(path)`` (every rank calls it) writes the whole trained model as an ordinary model, as
+``GreedyLayerwise(export_dir=...)`` does (HF ``save_pretrained``; a CNN: ``model.pt``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -76,6 +79,14 @@ class LayerwiseStrategy(PipelineFabricStrategy):
         self.runtime.flush()
         with self.precision.forward_context():
             return self.runtime.eval_step(batch)
+
+    def export(self, path: str | Path) -> str | None:
+        """Write the whole trained model to ``path`` (collective: call on every rank; rank 0 writes and gets
+        ``path``, the others None). See :meth:`DecoupledRuntime.export`."""
+        self._require_module()
+        result = self.runtime.export(path)
+        self.barrier()
+        return result
 
     def flush(self) -> None:
         """Finish the activations in flight (call at the end of training; evaluation and saving do it)."""

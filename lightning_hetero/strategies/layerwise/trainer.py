@@ -14,6 +14,9 @@ loss, and sends its detached output to the next stage; nothing travels backwards
 - ``validation_step``/``test_step``: a forward-only pass through every stage; ``val/loss`` (the model's loss,
   broadcast from the last stage) on every rank.
 - checkpoints: a folder with ``stage_<s>.pt`` per stage plus ``meta.json``, restored after setup.
+- ``export_dir``: when fit ends, the whole model is gathered to rank 0 and written there as an ordinary model, as
+  ``GreedyLayerwise(export_dir=...)`` does (HF: ``save_pretrained``; CNN: ``model.pt``); :meth:`export` does it on
+  demand.
 
 The module's own ``training_step``/``validation_step`` are not called. Manual optimization is not supported. The
 shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_grad``, metric reduction) is
@@ -23,9 +26,11 @@ shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -54,6 +59,8 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
             ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"``
             (``mode="async"`` only): the message is left out (logged, counted) and the stage trains on the newest
             usable activations in its replay buffer; with none usable it raises.
+        export_dir: Write the trained model there when fit ends (HF ``save_pretrained``; a CNN: ``model.pt``), as
+            :class:`~lightning_hetero.callbacks.GreedyLayerwise` does. Auxiliary heads are not part of it.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
@@ -75,9 +82,26 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
         max_in_flight: int = 2,
         activation_dtype: str = "fp32",
         on_bad_payload: str = "raise",
+        export_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
+        self.export_dir = None if export_dir is None else str(export_dir)
+
+    def export(self, path: str | Path) -> str | None:
+        """Write the whole trained model to ``path`` (collective: call on every rank; rank 0 writes and gets
+        ``path``, the others None). See :meth:`DecoupledRuntime.export`."""
+        result = self.runtime.export(path)
+        self.barrier("LayerwiseStrategy.export")
+        return result
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.export_dir is not None:
+            path = self.export(self.export_dir)
+            if path is not None:
+                rank_zero_info(f"LayerwiseStrategy: trained model written to {path}")
 
     @override
     def _check_trainer(self, trainer: L.Trainer) -> None:
