@@ -39,7 +39,12 @@ from lightning_hetero.flexdemo.sharding import (
 )
 from lightning_hetero.flexdemo.topology import Topology, build_topology, resolve_shard_size
 
-__all__ = ["FlexDeMoRuntime"]
+__all__ = ["DEFAULT_COMPRESSION", "DEFAULT_REPLICATOR", "FlexDeMoRuntime"]
+
+DEFAULT_REPLICATOR = "demo"
+"""The replicator used when none is given and the run has two or more model copies."""
+DEFAULT_COMPRESSION = 1 / 32
+"""The fraction of coefficients kept when no compression is given."""
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,11 @@ class FlexDeMoRuntime(StrategyRuntime):
 
     Args:
         replicator: Replicator name for converted optimizers (``"demo"``, ``"random"``, ``"striding"``,
-            ``"diloco"``, ``"full"``, ``"topk"``).
-        compression: Fraction of coefficients kept, in (0, 1].
+            ``"diloco"``, ``"full"``, ``"topk"``). None (default): ``"demo"`` when the run has two or more model
+            copies, ``"full"`` (no compression) when it has one, since nothing then crosses nodes and compressing
+            would only lose information. A replicator, compression or option given explicitly is kept (with a
+            warning on one copy).
+        compression: Fraction of coefficients kept, in (0, 1]; None: 1/32.
         replicator_options: Extra keyword arguments of ``build_replicator`` (``values``, ``index_bits``, ``chunk``,
             ``seed``, ``combine``, ``sync_every``, ...).
         shard_size: Ranks that shard one model copy; None: all ranks of a node. Must divide the ranks per node.
@@ -69,8 +77,8 @@ class FlexDeMoRuntime(StrategyRuntime):
 
     def __init__(
         self,
-        replicator: str = "demo",
-        compression: float = 1 / 32,
+        replicator: str | None = None,
+        compression: float | None = None,
         replicator_options: Mapping[str, Any] | None = None,
         shard_size: int | None = None,
         drift_check_every: int = 0,
@@ -84,9 +92,13 @@ class FlexDeMoRuntime(StrategyRuntime):
         self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
         if replicator_options is not None and not isinstance(replicator_options, Mapping):
             raise ValueError(f"{owner}(replicator_options={replicator_options!r}): give a dict of keyword arguments.")
-        self.replicator_name = replicator
-        self.compression = compression
+        # Any of the three set means the user asked for this exchange; all unset lets one copy skip compression.
+        self.replicator_chosen = replicator is not None or compression is not None or bool(replicator_options)
+        self.replicator_name = DEFAULT_REPLICATOR if replicator is None else replicator
+        self.compression = DEFAULT_COMPRESSION if compression is None else compression
         self.replicator_options = dict(replicator_options or {})
+        self.replicator_note = ""
+        """Why the default replicator was replaced (one model copy and none chosen), or empty."""
         try:  # fail at construction, not at the first step: A's factory validates every argument
             probe = self.make_replicator()
         except (ValueError, TypeError) as error:
@@ -134,6 +146,17 @@ class FlexDeMoRuntime(StrategyRuntime):
         replicator.set_bad_payload_policy(getattr(self, "on_bad_payload", "raise"))
         return replicator
 
+    def _use_dense_replicator(self) -> None:
+        """One model copy and no replicator chosen: replicate with ``"full"`` (the update is the optimizer's own)."""
+        self.replicator_name = "full"
+        self.compresses = False
+        self.replicator_note = (
+            f"a single model copy ({self.topology.world_size} rank(s), shard_size={self.topology.shard_size}) and no "
+            "replicator chosen: using replicator='full' (no compression; nothing crosses nodes). Set "
+            "replicator='demo' to compress anyway"
+        )
+        log.info("%s: %s.", self.owner, self.replicator_note)
+
     def resolve_world(self, world_size: int, ranks_per_node: int) -> int:
         """Check ``shard_size`` against the launch layout (before processes start); returns the shard size."""
         self.shard_size = resolve_shard_size(self.requested_shard_size, world_size, ranks_per_node, self.owner)
@@ -159,6 +182,8 @@ class FlexDeMoRuntime(StrategyRuntime):
             self.resolve_world(world_size, world_size)
         assert self.shard_size is not None
         self.topology = build_topology(device, self.shard_size)
+        if self.topology.num_replicas == 1 and self.compresses and not self.replicator_chosen:
+            self._use_dense_replicator()
         if self.topology.num_replicas == 1 and self.compresses:
             warnings.warn(
                 f"{self.owner}(replicator={self.replicator_name!r}): the run has a single model copy "

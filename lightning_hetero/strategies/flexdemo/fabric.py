@@ -45,8 +45,10 @@ class FlexDeMoStrategy(FabricStrategyBase):
     ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``).
 
     Args:
-        replicator: ``"demo"``, ``"random"``, ``"striding"``, ``"diloco"``, ``"full"`` or ``"topk"``.
-        compression: Fraction of coefficients kept per step, in (0, 1].
+        replicator: ``"demo"``, ``"random"``, ``"striding"``, ``"diloco"``, ``"full"`` or ``"topk"``. None
+            (default): ``"demo"`` with two or more model copies (nodes), ``"full"`` (no compression) with one; an
+            explicit choice is kept.
+        compression: Fraction of coefficients kept per step, in (0, 1]; None: 1/32.
         replicator_options: More ``build_replicator`` arguments (``values``, ``index_bits``, ``chunk``, ``seed``,
             ``combine``, ``sync_every``, ``outer_lr``, ``outer_momentum``).
         shard_size: Ranks that shard one model copy; None: all ranks of a node. Must divide the ranks per node.
@@ -65,8 +67,8 @@ class FlexDeMoStrategy(FabricStrategyBase):
 
     def __init__(
         self,
-        replicator: str = "demo",
-        compression: float = 1 / 32,
+        replicator: str | None = None,
+        compression: float | None = None,
         replicator_options: dict[str, Any] | None = None,
         shard_size: int | None = None,
         drift_check_every: int = 0,

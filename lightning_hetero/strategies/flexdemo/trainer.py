@@ -50,8 +50,10 @@ class FlexDeMoStrategy(TrainerStrategyBase):
 
     Args:
         replicator: How updates cross nodes: ``"demo"`` (DCT top-k), ``"random"``, ``"striding"``, ``"diloco"``,
-            ``"full"`` (dense mean, the full-sync baseline), ``"topk"``. Used for converted optimizers.
-        compression: Fraction of coefficients kept per step, in (0, 1].
+            ``"full"`` (dense mean, the full-sync baseline), ``"topk"``. Used for converted optimizers. None
+            (default): ``"demo"`` with two or more model copies (nodes), ``"full"`` with one (on one node nothing
+            crosses nodes, so compression would only lose information); an explicit choice is kept.
+        compression: Fraction of coefficients kept per step, in (0, 1]; None: 1/32.
         replicator_options: More ``build_replicator`` arguments: ``values`` (``"fp32"``, ``"bf16"``, ``"sign"``,
             ``"ternary"``), ``index_bits`` (12 or 16), ``chunk`` (DCT block side), ``seed``, ``combine``
             (``"mean"``/``"pickers"``), ``sync_every``/``outer_lr``/``outer_momentum`` (DiLoCo).
@@ -75,8 +77,8 @@ class FlexDeMoStrategy(TrainerStrategyBase):
 
     def __init__(
         self,
-        replicator: str = "demo",
-        compression: float = 1 / 32,
+        replicator: str | None = None,
+        compression: float | None = None,
         replicator_options: dict[str, Any] | None = None,
         shard_size: int | None = None,
         drift_check_every: int = 0,
@@ -157,6 +159,8 @@ class FlexDeMoStrategy(TrainerStrategyBase):
             )
         converted = self.runtime.prepare_optimizer(original, overlap=overlap)
         rank_zero_info(f"{self.runtime.owner}: {self.runtime.conversion}.")
+        if self.runtime.replicator_note:
+            rank_zero_info(f"{self.runtime.owner}: {self.runtime.replicator_note}.")
         for config in self.lr_scheduler_configs:
             repoint_scheduler(config.scheduler, original, converted)
         self.optimizers = [converted]

@@ -27,6 +27,7 @@ from lightning_hetero.flexdemo.topology import Topology, resolve_shard_size
 from lightning_hetero.models.presets import build_config
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+from lightning_hetero.testing import run_distributed
 
 STRATEGIES = [FlexDeMoStrategy, FabricFlexDeMoStrategy]
 
@@ -214,6 +215,65 @@ def test_single_process_runtime_trains_and_warns_about_blocks_and_one_copy():
     assert losses[-1] < losses[0]
     assert metrics["comm/launched_early"] == 4 and metrics["comm/inter_bytes_sent"] == 0
     assert metrics["comm/encode_seconds"] > 0 and metrics["comm/decode_seconds"] > 0  # the DCT codec ran
+
+
+def _one_copy_setup(runtime: FlexDeMoRuntime) -> tuple[list[str], str]:
+    """Set up a small model alone (one model copy); the warnings raised and the converted optimizer's replicator."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.setup_module(model, torch.device("cpu"))
+    optimizer = runtime.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return [str(w.message) for w in caught], optimizer.replicator.name
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_one_copy_without_a_chosen_replicator_does_not_compress(cls):
+    """Bare ``strategy: flexdemo`` on one node: nothing crosses nodes, so the default is the dense ``"full"``."""
+    strategy = cls()
+    messages, replicator = _one_copy_setup(strategy.runtime)
+    assert replicator == "full"
+    assert not any("single model copy" in message for message in messages), messages
+    assert (
+        "replicator='full'" in strategy.runtime.replicator_note and "no compression" in strategy.runtime.replicator_note
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"replicator": "demo"},
+        {"compression": 0.25},
+        {"replicator_options": {"values": "sign"}},
+        {"replicator": "random"},
+    ],
+)
+def test_one_copy_keeps_an_explicit_compressing_choice_and_warns(kwargs):
+    runtime = FlexDeMoRuntime(**kwargs)
+    messages, replicator = _one_copy_setup(runtime)
+    assert replicator == kwargs.get("replicator", "demo")
+    assert any("single model copy" in message for message in messages), messages
+    assert runtime.replicator_note == ""
+
+
+def _default_replicator_worker(rank: int, world_size: int) -> dict[str, str]:
+    names = {}
+    for label, shard_size in (("two copies", 1), ("one copy", None)):
+        runtime = FlexDeMoRuntime(shard_size=shard_size)
+        runtime.resolve_world(world_size, world_size)  # one node of world_size ranks
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no transformer blocks
+            runtime.setup_module(model, torch.device("cpu"))
+        names[label] = runtime.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2)).replicator.name
+    return names
+
+
+@pytest.mark.timeout(300)
+def test_default_replicator_compresses_only_between_model_copies():
+    """Two copies (``shard_size=1``) exchange DeMo updates by default; one copy of two shards does not compress."""
+    results = run_distributed(_default_replicator_worker, 2, timeout=240)
+    assert results == [{"two copies": "demo", "one copy": "full"}] * 2
 
 
 def test_checksum_sees_every_bit_and_position():

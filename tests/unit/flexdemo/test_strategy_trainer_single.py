@@ -7,6 +7,8 @@ layout with one rank, and a resume that is bit-identical to an uninterrupted fit
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,56 @@ def test_meta_of_another_layout_is_read_and_a_damaged_one_refused(tmp_path):
         read_meta(checkpoint, here, "FlexDeMoStrategy")
     with pytest.raises(ValueError, match="is not a FlexDeMo sharded checkpoint"):
         read_meta(tmp_path, Topology(world_size=1, rank=0, shard_size=1), "FlexDeMoStrategy")
+
+
+class LossRecorder(Callback):
+    """Training losses of every batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit_user_llama(strategy: Any, tmp_path: Path) -> tuple[L.Trainer, list[float], list[str]]:
+    from tests.usercode.usernets import UserLlama
+
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=6,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(UserLlama(train_items=64))
+    return trainer, recorder.losses, [str(w.message) for w in caught]
+
+
+@pytest.mark.timeout(300)
+def test_bare_flexdemo_on_one_node_does_not_compress(tmp_path, caplog):
+    """``strategy="flexdemo"`` (the registered name, no arguments) on one copy: dense "full" updates, no warning."""
+    import lightning_hetero  # noqa: F401  (registers the name)
+
+    with caplog.at_level(logging.INFO):
+        trainer, losses, messages = _fit_user_llama("flexdemo", tmp_path)
+    assert trainer.optimizers[0].replicator.name == "full"
+    assert not any("single model copy" in message for message in messages), messages
+    assert "replicator='full' (no compression" in caplog.text
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_explicit_replicator_on_one_node_is_kept_with_the_warning(tmp_path):
+    trainer, losses, messages = _fit_user_llama(FlexDeMoStrategy(replicator="demo"), tmp_path)
+    assert trainer.optimizers[0].replicator.name == "demo"
+    assert any("single model copy" in message for message in messages), messages
