@@ -19,6 +19,7 @@ matmul of the ``+/-1`` (and 0) matrices.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -235,12 +236,57 @@ def save_packed(module: nn.Module, path: str | os.PathLike[str], ternary_format:
     return {"packed_bytes": packed_bytes, "other_bytes": other}
 
 
+_FORMATS_OF_KIND = {"binary": ("1bit",), "ternary": ("2bit", "base3")}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})[:4]}")
+    return dict(pairs)
+
+
+def _packed_header(key: str, text: str | None) -> tuple[list[int], str]:
+    """The ``(shape, format)`` of packed tensor ``key`` from its metadata; ValueError naming ``key`` and the field."""
+    if text is None:
+        raise ValueError(f"{key}: missing packing metadata (no header for this packed tensor).")
+    try:
+        info = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as error:  # RecursionError: a nesting bomb in the header
+        raise ValueError(f"{key}: invalid packing metadata ({str(error)[:120]}).") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{key}: invalid packing metadata (a {type(info).__name__}, expected an object).")
+    kind, shape, fmt = info.get("kind"), info.get("shape"), info.get("format")
+    if not isinstance(kind, str) or kind not in _FORMATS_OF_KIND:
+        raise ValueError(f"{key}: packing metadata kind={kind!r:.40}; expected 'binary' or 'ternary'.")
+    if not isinstance(fmt, str) or fmt not in _FORMATS_OF_KIND[kind]:
+        raise ValueError(
+            f"{key}: packing metadata format={fmt!r:.40} for kind {kind!r}; expected one of "
+            f"{list(_FORMATS_OF_KIND[kind])}."
+        )
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise ValueError(f"{key}: packing metadata shape={shape!r:.80}; expected a list of integers.")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"{key}: packing metadata shape={shape!r:.80} has a negative size.")
+    return shape, fmt
+
+
 def load_packed(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Load a :func:`save_packed` file as a state dict for flip-mode layers (``name.codes`` int8 + ``name.scale``).
 
+    The file is never trusted: each packed tensor's header (``kind``, ``shape``, ``format``) must be well-formed
+    and consistent, its bytes must decode to exactly ``prod(shape)`` codes, and its ``name.scale`` must be a finite
+    floating-point tensor.
+
     Raises:
-        ValueError: Not a safetensors file, a packed tensor without valid metadata, or packed bytes that do not
-            decode exactly.
+        ValueError: Not a safetensors file; a packed tensor without valid metadata (the message names the tensor and
+            the field: negative, non-integer or huge shape, unknown kind or format, duplicate keys, NaN); packed
+            bytes that do not decode exactly; a missing or non-finite scale; or a ``name.codes`` stored next to its
+            packed form.
     """
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
@@ -257,14 +303,22 @@ def load_packed(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         if not key.endswith("codes.packed"):
             out[key] = tensor
             continue
+        shape, fmt = _packed_header(key, metadata.get(key))
+        codes_key, scale_key = key.removesuffix(".packed"), key.removesuffix("codes.packed") + "scale"
+        if codes_key in tensors:
+            raise ValueError(f"{key}: the file also holds {codes_key}; which one is meant is ambiguous.")
+        scale = tensors.get(scale_key)
+        if scale is None or not scale.is_floating_point() or not bool(torch.isfinite(scale).all()):
+            raise ValueError(f"{key}: its scale {scale_key} is missing, not floating point or not finite.")
+        count = math.prod(shape)
+        if count > 8 * tensor.numel():  # bound what the header announces by what the bytes can hold, before unpacking
+            raise ValueError(
+                f"{key}: packing metadata shape={shape!r:.80} announces {count} codes; its {tensor.numel()} packed "
+                "bytes hold at most 8 per byte."
+            )
         try:
-            info = json.loads(metadata[key])
-            shape, fmt = [int(s) for s in info["shape"]], info["format"]
-            unpack = unpackers[fmt]
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{key}: missing or invalid packing metadata ({error}).") from error
-        count = 1
-        for size in shape:
-            count *= size
-        out[key.removesuffix(".packed")] = unpack(tensor, count).reshape(shape)
+            codes = unpackers[fmt](tensor, count)
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from None
+        out[codes_key] = codes.reshape(shape)
     return out

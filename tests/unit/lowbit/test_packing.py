@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_hetero.lowbit import convert_model, load_packed, lowbit_layers, save_packed
@@ -119,3 +123,104 @@ def test_load_packed_rejects_missing_metadata(tmp_path) -> None:
     save_file({"a.codes.packed": torch.zeros(2, dtype=torch.uint8)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="metadata"):
         load_packed(tmp_path / "bad.safetensors")
+
+
+# --------------------------------------------------------------------------------------------- forged headers
+def _forged(tmp_path, header: object, packed: torch.Tensor | None = None, **tensors: torch.Tensor) -> str:
+    """A packed file whose ``layer.codes.packed`` carries ``header`` as its metadata (a dict is JSON-encoded)."""
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "forged.safetensors")
+    content = {
+        "layer.codes.packed": pack_ternary_2bit(torch.tensor([1, 0, -1, 1, 0, -1])) if packed is None else packed,
+        "layer.scale": torch.ones(2),
+        **tensors,
+    }
+    text = header if isinstance(header, str) else json.dumps(header)
+    save_file(content, path, metadata={"layer.codes.packed": text})
+    return path
+
+
+def test_a_forged_file_with_a_valid_header_loads(tmp_path) -> None:
+    state = load_packed(_forged(tmp_path, {"kind": "ternary", "shape": [2, 3], "format": "2bit"}))
+    assert state["layer.codes"].tolist() == [[1, 0, -1], [1, 0, -1]] and state["layer.codes"].dtype == torch.int8
+
+
+@pytest.mark.parametrize(
+    ("header", "field"),
+    [
+        ({"kind": "ternary", "shape": [-2, -3], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": [2, -3], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": [2.5, 3], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": ["2", "3"], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": [True, 6], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": 6, "format": "2bit"}, "shape"),
+        ('{"kind": "ternary", "shape": [1e999], "format": "2bit"}', "shape"),
+        ({"kind": "ternary", "shape": [2**70, 2**70], "format": "2bit"}, "shape"),
+        ({"kind": "ternary", "shape": [2, 3], "format": "3bit"}, "format"),
+        ({"kind": "binary", "shape": [2, 3], "format": "2bit"}, "format"),
+        ({"kind": "quaternary", "shape": [2, 3], "format": "2bit"}, "kind"),
+        ({"shape": [2, 3], "format": "2bit"}, "kind"),
+        ('{"kind": "ternary", "shape": [2, 3], "format": "2bit", "shape": [6]}', "duplicate"),
+        ('{"kind": "ternary", "shape": [2, 3], "format": NaN}', "NaN"),
+        pytest.param("[" * 100_000, "metadata", id="nesting-bomb"),
+        ("not json", "metadata"),
+        ([1, 2], "metadata"),
+    ],
+)
+def test_a_forged_header_is_a_value_error_naming_the_field(tmp_path, header, field) -> None:
+    with pytest.raises(ValueError, match=f"layer.codes.packed.*{field}"):
+        load_packed(_forged(tmp_path, header))
+
+
+def test_a_packed_layer_needs_a_finite_floating_scale_and_no_second_codes(tmp_path) -> None:
+    header = {"kind": "ternary", "shape": [2, 3], "format": "2bit"}
+    with pytest.raises(ValueError, match="layer.scale"):
+        load_packed(_forged(tmp_path, header, **{"layer.scale": torch.tensor([1.0, float("inf")])}))
+    with pytest.raises(ValueError, match="layer.scale"):
+        load_packed(_forged(tmp_path, header, **{"layer.scale": torch.ones(2, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match="layer.codes"):
+        load_packed(_forged(tmp_path, header, **{"layer.codes": torch.zeros(2, 3, dtype=torch.int8)}))
+
+
+def test_packed_bytes_that_do_not_fit_the_header_are_refused(tmp_path) -> None:
+    header = {"kind": "ternary", "shape": [2, 3], "format": "2bit"}
+    with pytest.raises(ValueError, match="layer.codes.packed.*uint8 bytes"):
+        load_packed(_forged(tmp_path, header, packed=torch.zeros(7, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="layer.codes.packed.*uint8"):
+        load_packed(_forged(tmp_path, header, packed=torch.zeros(2, dtype=torch.int16)))
+
+
+_HEADER_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(-(2**66), 2**66) | st.floats() | st.text(max_size=2), max_size=4),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kind=st.sampled_from(["ternary", "binary"]) | _HEADER_VALUES,
+    shape=st.lists(st.integers(-8, 8), max_size=3) | _HEADER_VALUES,
+    fmt=st.sampled_from(["1bit", "2bit", "base3"]) | _HEADER_VALUES,
+    packed=st.binary(max_size=6),
+)
+def test_fuzzed_headers_load_exactly_or_raise_value_error(tmp_path, kind, shape, fmt, packed) -> None:
+    """Whatever the header says, load_packed returns codes of the announced shape in {-1, 0, 1} or a ValueError."""
+    data = torch.tensor(list(packed), dtype=torch.uint8)
+    try:
+        path = _forged(tmp_path, json.dumps({"kind": kind, "shape": shape, "format": fmt}), packed=data)
+    except (ValueError, OverflowError):  # json.dumps of a value the test cannot encode: nothing to load
+        return
+    try:
+        state = load_packed(path)
+    except ValueError:
+        return
+    codes = state["layer.codes"]
+    assert codes.dtype == torch.int8 and list(codes.shape) == shape
+    assert bool(((codes >= -1) & (codes <= 1)).all())
+    if kind == "binary":
+        assert not bool((codes == 0).any())
