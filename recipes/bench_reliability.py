@@ -275,8 +275,12 @@ def aggregate() -> dict[str, Any]:
         "survived": sum(bool(r.get("survived")) for r in faults),
         "bit_identical_resumes": sum(r.get("bit_identical") is True for r in faults)
         + _sibling_count(resume, "bit_identical_resumes"),
+        # The hostile-input catalogue's five counts (tried = rejected + accepted_valid + accepted_invalid + crashed).
         "bad_inputs_tried": _sibling_count(inputs, "bad_inputs_tried"),
         "bad_inputs_rejected": _sibling_count(inputs, "bad_inputs_rejected"),
+        "bad_inputs_accepted_valid": _sibling_count(inputs, "accepted_valid"),
+        "bad_inputs_accepted_invalid": _sibling_count(inputs, "accepted_invalid"),
+        "bad_inputs_crashed": _sibling_count(inputs, "crashed"),
         "sources": {
             "faults": FAULTS_FILE.name,
             "resume": "reliability_resume.json" if resume is not None else None,
