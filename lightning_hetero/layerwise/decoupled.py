@@ -16,8 +16,14 @@ Wire format of one message (per training step and boundary):
 A header is ``[step, batch, codec, ndim, *sample_shape]`` (int64, padded with -1). Nothing a peer sends is trusted
 (docs/reliability.md): the receiver compares the header with what it knows locally (its own batch size, its codec,
 the per-sample shape its :class:`~lightning_hetero.layerwise.stack.BlockStack` infers, the steps it can expect)
-*before* it allocates the payload buffer, and refuses non-finite activations (or a bad int8 scale) before decoding.
-Both raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the peer. A bad header always raises
+*before* it allocates the payload buffer. A header the receiver has no expectation for (an asynchronous message whose
+batch it no longer keeps) is bounded by the layouts this stage has itself expected (:meth:`ActivationLink.allow_layout`:
+the batch size, every sample dimension and the element count), never by what the peer announces. Activations must
+decode to finite values within :data:`~lightning_hetero.comm.validation.MAX_PEER_MAGNITUDE` (and the stage's dtype),
+int8 ones without a -128 byte or a scale that overflows (:meth:`~lightning_hetero.subspace.codec.BoundaryCodec.
+decode_received`). Both raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the peer and the
+field (``header``, ``header.step``, ``header.batch``, ``header.codec``, ``header.ndim``, ``header.sample[i]``,
+``payload``, ``values``, ``scale``). A bad header always raises
 (the stream cannot be resynchronised); bad activations in asynchronous mode honour ``on_bad_payload="drop"``: the
 message is left out (logged, counted in :attr:`ActivationLink.dropped_payloads`) and the stage replays older ones.
 
@@ -27,15 +33,21 @@ keeps its recent batches in a :class:`~lightning_hetero.layerwise.replay.BatchRi
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import PeerPayloadError, report_dropped, validate_on_bad_payload
+from lightning_hetero.comm.validation import (
+    PeerPayloadError,
+    check_announced_size,
+    report_dropped,
+    validate_on_bad_payload,
+)
 from lightning_hetero.subspace.codec import BoundaryCodec
 
 __all__ = [
@@ -54,7 +66,8 @@ _FIXED_FIELDS = 4
 _MAX_SAMPLE_DIMS = HEADER_LENGTH - _FIXED_FIELDS
 _CODEC_CODES = {"fp32": 0, "bf16": 1, "int8": 2}
 MAX_MESSAGE_ELEMENTS = 1 << 30
-"""Bound on ``batch * prod(sample_shape)`` of a header the receiver cannot compare with a locally known shape."""
+"""Bound on ``batch * prod(sample_shape)`` of a header the receiver cannot compare with any layout it knows (a link
+used before this stage has expected anything; the runtimes always hand it their own layout first)."""
 
 Expectation = tuple[int, tuple[int, ...]] | None
 """What the receiver knows of a message: ``(batch_size, sample_shape)``, or None (only the bounds are checked)."""
@@ -126,6 +139,8 @@ class ActivationLink:
         self._last_header: tuple[int, int] = (-1, 0)  # (message index, step): a peer's steps never decrease
         self._pending_sends: deque[list[tuple[Any, Tensor]]] = deque()
         self._sample_shapes: dict[tuple, tuple[int, ...]] = {}
+        # ndim -> (largest batch, largest size per sample dimension, largest element count) this stage has expected
+        self._layouts: dict[int, tuple[int, tuple[int, ...], int]] = {}
         self._in_flight: dict[str, Any] | None = None  # asynchronous receive in progress
         self.messages_sent = 0
         self.messages_received = 0
@@ -197,9 +212,80 @@ class ActivationLink:
         self.messages_received += 1
         return self.check_and_decode(wire, batch_size, sample, dtype)
 
-    def _refuse(self, problem: str) -> PeerPayloadError:
-        self.last_error = PeerPayloadError(f"ActivationLink: activations from rank {self.peer} {problem}", self.peer)
+    def _refuse(self, problem: str, field: str | None = None) -> PeerPayloadError:
+        self.last_error = PeerPayloadError(
+            f"ActivationLink: activations from rank {self.peer} {problem}", self.peer, field
+        )
         return self.last_error
+
+    @contextlib.contextmanager
+    def _decoding(self, what: str) -> Iterator[None]:
+        """Any error while checking or decoding a peer's message becomes a PeerPayloadError kept in ``last_error``."""
+        try:
+            try:
+                yield
+            except PeerPayloadError:
+                raise
+            except Exception as error:  # noqa: BLE001 - nothing but PeerPayloadError leaves a decoder
+                raise PeerPayloadError(
+                    f"ActivationLink: {what} from rank {self.peer} could not be checked ({type(error).__name__}: "
+                    f"{error}); refusing it.",
+                    self.peer,
+                    what,
+                ) from error
+        except PeerPayloadError as error:
+            self.last_error = error
+            raise
+
+    def allow_layout(self, batch_size: int, sample: tuple[int, ...]) -> None:
+        """Record a layout this stage itself expects (its own batch size and block input shape).
+
+        A header with no local expectation (see :meth:`check_header`) may announce at most the largest batch, the
+        largest size per sample dimension and the largest element count recorded for its number of dimensions.
+        """
+        sample = tuple(int(d) for d in sample)
+        batch, dims, elements = self._layouts.get(len(sample), (0, (0,) * len(sample), 0))
+        self._layouts[len(sample)] = (
+            max(batch, int(batch_size)),
+            tuple(max(a, b) for a, b in zip(dims, sample, strict=True)),
+            max(elements, int(batch_size) * _product(sample)),
+        )
+
+    def _check_against_layouts(self, batch: int, sample: tuple[int, ...], batch_known: bool) -> None:
+        """Bound an announced size by the layouts this stage has expected (:meth:`allow_layout`)."""
+        if not self._layouts:  # nothing local to compare with yet: only the global bound
+            if batch * _product(sample) > MAX_MESSAGE_ELEMENTS:
+                raise self._refuse(
+                    f"announce {batch} x {sample} values, above the {MAX_MESSAGE_ELEMENTS} a message may hold; "
+                    "refusing to allocate them.",
+                    "header.sample",
+                )
+            return
+        layout = self._layouts.get(len(sample))
+        if layout is None:
+            raise self._refuse(
+                f"announce a {len(sample)}-dimensional sample shape {sample}, but this stage's own layout has "
+                f"{sorted(self._layouts)}-dimensional samples; refusing them before allocating anything.",
+                "header.ndim",
+            )
+        max_batch, max_dims, max_elements = layout
+        own = f"this stage's own layout allows at most batch {max_batch}, sample {max_dims}"
+        sizes = ([] if batch_known else [("header.batch", batch, max_batch)]) + [
+            (f"header.sample[{i}]", d, limit) for i, (d, limit) in enumerate(zip(sample, max_dims, strict=True))
+        ]
+        for field, announced, limit in sizes:
+            try:
+                check_announced_size(announced, limit, peer=self.peer, what=field, minimum=1)
+            except PeerPayloadError:
+                raise self._refuse(
+                    f"announce {batch} x {sample}: {field} = {announced} is outside [1, {limit}] ({own}); refusing "
+                    "them before allocating anything.",
+                    field,
+                ) from None
+        if batch * _product(sample) > max_elements:
+            raise self._refuse(
+                f"announce {batch} x {sample} values; {own} and {max_elements} values in all.", "header.sample"
+            )
 
     def check_header(
         self, header: Tensor, batch_size: int | None = None, expected_sample: tuple[int, ...] | None = None
@@ -216,38 +302,51 @@ class ActivationLink:
             PeerPayloadError: wrong length or dtype, another codec, a malformed or oversized shape, a shape or batch
                 other than the expected one, or (asynchronous) a step that goes back or lies ahead of the messages.
         """
+        with self._decoding("header"):
+            return self._check_header(header, batch_size, expected_sample)
+
+    def _check_header(
+        self, header: Tensor, batch_size: int | None, expected_sample: tuple[int, ...] | None
+    ) -> tuple[int, int, tuple[int, ...]]:
+        if batch_size is not None and expected_sample is not None:
+            self.allow_layout(batch_size, expected_sample)  # local knowledge: it also bounds later, stale headers
         if header.dtype != torch.int64 or header.numel() != HEADER_LENGTH:
             raise self._refuse(
-                f"came with a header of {header.numel()} {header.dtype} values, not {HEADER_LENGTH} int64."
+                f"came with a header of {header.numel()} {header.dtype} values, not {HEADER_LENGTH} int64.", "header"
             )
-        values = [int(v) for v in header.tolist()]
+        values = [int(v) for v in header.reshape(-1).tolist()]
         step, batch, codec, ndim = values[:_FIXED_FIELDS]
         if codec != _CODEC_CODES[self.codec_name]:
             names = {code: name for name, code in _CODEC_CODES.items()}
             raise self._refuse(
                 f"are encoded as {names.get(codec, f'unknown codec {codec}')!r}, but this stage decodes "
-                f"{self.codec_name!r}; give every stage the same activation_dtype."
+                f"{self.codec_name!r}; give every stage the same activation_dtype.",
+                "header.codec",
             )
         if not 1 <= ndim <= _MAX_SAMPLE_DIMS or any(v != -1 for v in values[_FIXED_FIELDS + ndim :]):
-            raise self._refuse(f"came with a malformed header {values} (ndim {ndim}, or padding other than -1).")
+            raise self._refuse(
+                f"came with a malformed header {values} (ndim {ndim}, or padding other than -1).", "header.ndim"
+            )
         sample = tuple(values[_FIXED_FIELDS : _FIXED_FIELDS + ndim])
         if batch < 1 or any(d < 1 for d in sample):
-            raise self._refuse(f"announce a non-positive size: batch {batch}, sample shape {sample}.")
+            raise self._refuse(
+                f"announce a non-positive size: batch {batch}, sample shape {sample}.",
+                "header.batch" if batch < 1 else "header.sample",
+            )
         if batch_size is not None and batch != batch_size:
             raise self._refuse(
                 f"announce a batch of {batch} samples, this stage read {batch_size}; refusing them. Every stage of a "
-                "replica must read the same batches (same data loader and seed)."
+                "replica must read the same batches (same data loader and seed).",
+                "header.batch",
             )
         if expected_sample is not None and sample != tuple(expected_sample):
             raise self._refuse(
                 f"announce a sample shape {sample}, but this stage's block expects {tuple(expected_sample)}; refusing"
-                " them (a peer built from another model or split)."
+                " them (a peer built from another model or split).",
+                "header.sample",
             )
-        if batch * _product(sample) > MAX_MESSAGE_ELEMENTS:
-            raise self._refuse(
-                f"announce {batch} x {sample} values, above the {MAX_MESSAGE_ELEMENTS} a message may hold; refusing "
-                "to allocate them."
-            )
+        if expected_sample is None:
+            self._check_against_layouts(batch, sample, batch_known=batch_size is not None)
         if self.asynchronous:
             index = self.messages_received
             # The previous message's step bounds this one from below (unless the count was reset by a resume).
@@ -255,7 +354,8 @@ class ActivationLink:
             if not floor <= step <= index:
                 raise self._refuse(
                     f"announce step {step}, but message {index} can only carry steps {floor}..{index} (the step "
-                    "that produced a batch never goes back, nor past the message's own index)."
+                    "that produced a batch never goes back, nor past the message's own index).",
+                    "header.step",
                 )
             self._last_header = (index, step)
         return step, batch, sample
@@ -267,20 +367,17 @@ class ActivationLink:
             PeerPayloadError: a wire tensor of another length or dtype than ``(batch, *sample)`` encoded by this
                 link's codec, non-finite values, or a bad int8 scale.
         """
-        codec = BoundaryCodec(self.codec_name, sample[-1])
-        expected = batch * _product(sample[:-1]) * codec.wire_width
-        if wire.numel() != expected or wire.dtype != codec.wire_dtype:
-            raise self._refuse(
-                f"came as {wire.numel()} {wire.dtype} values; a batch of {batch} x {sample} in the {self.codec_name}"
-                f" codec is {expected} {codec.wire_dtype} values."
-            )
-        wire = wire.reshape(batch, *sample[:-1], codec.wire_width)
-        try:
-            codec.check_wire(wire, peer=self.peer, what="activations")
-        except PeerPayloadError as error:
-            self.last_error = error
-            raise
-        return codec.decode(wire, dtype)
+        with self._decoding("activations"):
+            codec = BoundaryCodec(self.codec_name, sample[-1])
+            expected = batch * _product(sample[:-1]) * codec.wire_width
+            if wire.numel() != expected or wire.dtype != codec.wire_dtype:
+                raise self._refuse(
+                    f"came as {wire.numel()} {wire.dtype} values; a batch of {batch} x {sample} in the "
+                    f"{self.codec_name} codec is {expected} {codec.wire_dtype} values.",
+                    "payload",
+                )
+            wire = wire.reshape(batch, *sample[:-1], codec.wire_width)
+            return codec.decode_received(wire, dtype, peer=self.peer, what="activations")
 
     def nothing_to_replay(self, step: int) -> PeerPayloadError:
         """The error when this step's activations were dropped and the replay buffer holds none fresh enough."""
@@ -323,7 +420,14 @@ class ActivationLink:
                     return done
                 state["work"].wait()
             if "wire" not in state:  # the header arrived: check it, then post the payload
-                known = expect(int(state["header"][0])) if expect is not None else None
+                known = None
+                if expect is not None:
+                    current = expect(limit - 1) if limit > 0 else None  # the batch this stage is on: its own layout
+                    if current is not None:
+                        self.allow_layout(*current)
+                    announced = int(state["header"][0])
+                    # Only a step a message can carry is looked up (check_header refuses the others).
+                    known = expect(announced) if 0 <= announced <= self.messages_received else None
                 step, batch, sample = self.check_header(state["header"], *(known or (None, None)))
                 wire = self._wire_buffer(batch, sample, device)
                 state.update(step=step, batch=batch, sample=sample, wire=wire)

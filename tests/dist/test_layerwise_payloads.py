@@ -98,6 +98,30 @@ def _link_scenarios(rank: int, out: dict[str, Any]) -> None:
                 link.drain_until(3, _CPU, torch.float32, _expect)
 
 
+def _stale_header_scenario(rank: int, out: dict[str, Any]) -> None:
+    """An asynchronous message for a step whose batch the receiver no longer keeps announces twice its width.
+
+    Its size used to be bounded only by 2**30 elements; the receiver now bounds it by its own layout (the batch it is
+    on). The payload is sent anyway: a receiver that refused the header takes it off the wire itself, plainly.
+    """
+    forged = (BATCH, SEQ, 2 * HIDDEN)
+    if rank == 0:
+        comm.send(_header(3, BATCH, 0, 2, SEQ, 2 * HIDDEN), 1, label=comm.PIPELINE, tag=191)
+        work = comm.isend(torch.zeros(forged), 1, label=comm.PIPELINE, tag=190)
+        work.wait()
+        return
+    link = ActivationLink(0, tag=190, asynchronous=True)
+    link.messages_received = 5  # a resumed link: message 5 may carry steps 0..5
+
+    def stale(step: int) -> tuple[int, tuple[int, ...]] | None:  # only this stage's current batch is kept
+        return (BATCH, (SEQ, HIDDEN)) if step == 5 else None
+
+    out["stale"] = _caught(lambda: link.drain_until(6, _CPU, torch.float32, stale))
+    out["stale_field"] = link.last_error.field if link.last_error is not None else None
+    if out["stale"].startswith("PeerPayloadError"):
+        comm.recv(torch.empty(forged), 0, label=comm.PIPELINE, tag=190)
+
+
 def _llama_holder() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -138,6 +162,7 @@ def _runtime_scenario(rank: int, out: dict[str, Any]) -> None:
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _link_scenarios(rank, out)
+    _stale_header_scenario(rank, out)
     _runtime_scenario(rank, out)
     return out
 
@@ -154,5 +179,10 @@ def test_bad_activation_messages_are_refused_or_dropped_over_gloo() -> None:
     assert "holds non-finite values" in received["async_raise"] and received["async_raise_steps"] == []
     assert received["async_drop"] == "accepted"
     assert received["async_drop_steps"] == [0, 2] and received["async_drop_dropped"] == 1
+    assert received["stale"].startswith("PeerPayloadError(peer=0)"), received["stale"]
+    assert (
+        "header.sample[1] = 64 is outside [1, 32]" in received["stale"]
+        and received["stale_field"] == "header.sample[1]"
+    )
     assert received["runtime_dropped"] == 1
     assert len(received["runtime_losses"]) == 3 and all(torch.isfinite(torch.tensor(received["runtime_losses"])))

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.layerwise.decoupled import HEADER_LENGTH, MAX_MESSAGE_ELEMENTS, ActivationLink
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy as FabricLayerwise
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
-from lightning_hetero.subspace.codec import pack_int8
+from lightning_hetero.subspace.codec import BoundaryCodec, pack_int8
+from tests.payload_rule import assert_decoder_rule
 
 
 def _header(*values: int) -> torch.Tensor:
@@ -129,3 +132,107 @@ def test_the_strategies_hand_the_policy_to_the_runtime(strategy_class: type) -> 
     assert strategy_class().runtime.on_bad_payload == "raise"
     with pytest.raises(ValueError, match="LayerwiseStrategy\\(on_bad_payload='drop'\\)"):
         strategy_class(on_bad_payload="drop")
+
+
+# ------------------------------------------------------------------------------------------------ announced sizes
+def test_a_header_without_a_local_expectation_is_bounded_by_the_layouts_this_stage_knows() -> None:
+    """A stale message (its batch no longer kept) used to be bounded only by 2**30 elements: 4 GiB of fp32."""
+    link = ActivationLink(3)
+    link.check_header(_header(0, 4, 0, 2, 12, 32), 4, (12, 32))  # a batch this stage read: (4, (12, 32))
+    for header, field in [
+        (_header(0, 1, 0, 1, 2**30 - 1), "header.ndim"),  # fits the old bound, not this stage's 2-D layout
+        (_header(0, 4, 0, 2, 12, 32 * 1024), "header.sample[1]"),
+        (_header(0, 4, 0, 2, 2**20, 32), "header.sample[0]"),
+        (_header(0, 5, 0, 2, 12, 32), "header.batch"),
+    ]:
+        with pytest.raises(PeerPayloadError, match="activations from rank 3 .*this stage's own layout") as caught:
+            link.check_header(header)
+        assert (caught.value.peer, caught.value.field) == (3, field) and link.last_error is caught.value
+    assert link.check_header(_header(0, 2, 0, 2, 7, 32)) == (0, 2, (7, 32))  # smaller: an older, shorter batch
+
+
+def test_a_known_batch_alone_still_bounds_the_sample_shape() -> None:
+    link = ActivationLink(3)
+    link.allow_layout(4, (12, 32))
+    with pytest.raises(PeerPayloadError, match="header.sample") as caught:
+        link.check_header(_header(0, 4, 0, 2, 12, 64), 4)
+    assert caught.value.field == "header.sample[1]"
+    assert link.check_header(_header(0, 4, 0, 2, 12, 32), 4) == (0, 4, (12, 32))
+
+
+def test_header_errors_name_their_field() -> None:
+    cases = [
+        (torch.zeros(HEADER_LENGTH - 1, dtype=torch.int64), None, None, "header"),
+        (_header(0, 4, 1, 2, 12, 32), 4, (12, 32), "header.codec"),
+        (_header(0, 4, 0, 7, 12, 32), 4, None, "header.ndim"),
+        (_header(0, -4, 0, 2, 12, 32), None, None, "header.batch"),
+        (_header(0, 4, 0, 2, 0, 32), None, None, "header.sample"),
+        (_header(0, 5, 0, 2, 12, 32), 4, (12, 32), "header.batch"),
+        (_header(0, 4, 0, 2, 12, 31), 4, (12, 32), "header.sample"),
+    ]
+    for header, batch, sample, field in cases:
+        with pytest.raises(PeerPayloadError) as caught:
+            ActivationLink(3).check_header(header, batch, sample)
+        assert (caught.value.peer, caught.value.field) == (3, field), str(caught.value)
+    with pytest.raises(PeerPayloadError) as caught:
+        ActivationLink(1, asynchronous=True).check_header(_header(5, 4, 0, 2, 12, 32), 4, (12, 32))
+    assert caught.value.field == "header.step"
+
+
+# ------------------------------------------------------------------------------------------------ the decoder rule
+FUZZ = settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(
+    values=st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-2, 70), min_size=HEADER_LENGTH, max_size=8),
+    known=st.booleans(),
+    asynchronous=st.booleans(),
+)
+def test_random_headers_keep_the_rule(values: list[int], known: bool, asynchronous: bool) -> None:
+    link = ActivationLink(2, asynchronous=asynchronous)
+    link.allow_layout(4, (12, 32))
+    header = torch.tensor(values, dtype=torch.int64)
+
+    def check(result: tuple[int, int, tuple[int, ...]]) -> None:
+        _, batch, sample = result
+        assert 1 <= batch <= 4 and len(sample) == 2 and sample[0] <= 12 and sample[1] <= 32
+
+    assert_decoder_rule(
+        lambda: link.check_header(header, *((4, (12, 32)) if known else ())), peer=2, check_layout=check
+    )
+
+
+@FUZZ
+@given(
+    codec=st.sampled_from(["fp32", "bf16", "int8"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    position=st.integers(0, 10**6),
+    value=st.floats(width=32) | st.sampled_from([3e38, 2.0**65, 1e6, -128.0]),
+    byte=st.integers(-128, 127) | st.none(),
+)
+def test_a_payload_with_one_value_corrupted_keeps_the_rule(codec, dtype, position, value, byte) -> None:
+    link = ActivationLink(2, codec=codec)
+    wire = BoundaryCodec(codec, 32).encode(torch.randn(2, 3, 32)).contiguous()
+    flat = wire.reshape(-1)
+    if byte is not None and codec == "int8":
+        flat.view(torch.int8)[position % (flat.numel() * 4)] = byte
+    else:
+        flat[position % flat.numel()] = value
+
+    def check(result: torch.Tensor) -> None:
+        assert result.shape == (2, 3, 32) and result.dtype == dtype
+
+    assert_decoder_rule(lambda: link.check_and_decode(wire, 2, (3, 32), dtype), peer=2, check_layout=check)
+
+
+@FUZZ
+@given(data=st.binary(min_size=0, max_size=2 * 3 * 9 * 4 + 8), codec=st.sampled_from(["fp32", "bf16", "int8"]))
+def test_random_payload_bytes_keep_the_rule(data: bytes, codec: str) -> None:
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    wire_dtype = BoundaryCodec(codec, 32).wire_dtype
+    usable = raw[: raw.numel() // wire_dtype.itemsize * wire_dtype.itemsize].clone()
+    wire = usable.view(wire_dtype)
+    assert_decoder_rule(
+        lambda: ActivationLink(2, codec=codec).check_and_decode(wire, 2, (3, 32), torch.float32), peer=2
+    )
