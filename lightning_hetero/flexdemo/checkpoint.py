@@ -79,19 +79,41 @@ def read_meta(path: str | Path, topology: Topology, owner: str) -> dict[str, Any
     """Read and check ``meta.pt`` (any saved layout is accepted: another one is re-cut on load).
 
     Raises:
-        ValueError: not a FlexDeMo checkpoint, or a saved layout that cannot exist (shard size not dividing the
-            world size).
+        ValueError: not a FlexDeMo checkpoint, another format version, or fields that cannot be (a shard size not
+            dividing the world size, sizes that are not integers, no valid ``shapes``).
     """
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{owner}: {path} is not a FlexDeMo sharded checkpoint (no {META_FILE}).")
-    meta = load_part(path, META_PART)  # weights_only, checked against its checksum when it has one
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{owner}: {meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}.")
-    world_size, shard_size = int(meta["world_size"]), int(meta["shard_size"])
-    if world_size < 1 or shard_size < 1 or world_size % shard_size:
-        raise ValueError(f"{owner}: {meta_path} records world_size={world_size}, shard_size={shard_size}: damaged.")
+    meta = load_part(path, META_PART)  # weights_only (safe_load), checked against its checksum when it has one
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{owner}: {meta_path} has format {found!r}, expected {FORMAT!r}.")
+    if not _is_int(meta.get("version")) or meta["version"] != VERSION:
+        raise ValueError(
+            f"{owner}: {meta_path} has version {meta.get('version')!r}; this lightning-hetero reads version {VERSION} "
+            "(written by another release?)."
+        )
+    world_size, shard_size = meta.get("world_size"), meta.get("shard_size")
+    if (
+        not _is_int(world_size)
+        or not _is_int(shard_size)
+        or world_size < 1
+        or shard_size < 1
+        or world_size % shard_size
+    ):
+        raise ValueError(f"{owner}: {meta_path} records world_size={world_size!r}, shard_size={shard_size!r}: damaged.")
+    shapes = meta.get("shapes")
+    if not isinstance(shapes, dict) or not all(
+        isinstance(name, str) and isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)
+        for name, shape in shapes.items()
+    ):
+        raise ValueError(f"{owner}: {meta_path} has no valid 'shapes' (name -> list of sizes >= 0): damaged.")
     return meta
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_rank_part(

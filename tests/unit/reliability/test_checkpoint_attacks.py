@@ -290,3 +290,46 @@ def test_strategy_warns_when_a_given_ckpt_path_has_no_manifest(tmp_path):
     torch.save({"state_dict": {}, "global_step": 1}, path)
     with pytest.warns(UnverifiedCheckpointWarning, match="no manifest"):
         strategy.load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------- FlexDeMo metadata
+_GOOD_META = {"format": "flexdemo-sharded", "version": 1, "world_size": 2, "shard_size": 1, "shapes": {"w": [4]}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"version": 2}, "version"),
+        ({"version": None}, "version"),
+        ({"world_size": "2"}, "world_size"),
+        ({"world_size": 2.0}, "world_size"),
+        ({"shard_size": True}, "shard_size"),
+        ({"world_size": 3, "shard_size": 2}, "world_size"),
+        ({"shapes": [4]}, "shapes"),
+        ({"shapes": {"w": [-4]}}, "shapes"),
+        ({"shapes": {"w": "4"}}, "shapes"),
+    ],
+)
+def test_flexdemo_metadata_with_impossible_fields_is_refused(tmp_path, changes, message):
+    from lightning_hetero.flexdemo.checkpoint import read_meta
+
+    write_part(tmp_path, "meta", {**_GOOD_META, **changes})
+    with pytest.raises(ValueError, match=message):
+        read_meta(tmp_path, None, "FlexDeMoStrategy")
+
+
+def test_flexdemo_metadata_that_is_good_reads(tmp_path):
+    from lightning_hetero.flexdemo.checkpoint import read_meta
+
+    write_part(tmp_path, "meta", _GOOD_META)
+    assert read_meta(tmp_path, None, "FlexDeMoStrategy") == _GOOD_META
+
+
+def test_flexdemo_metadata_under_the_environment_variable_never_unpickles(tmp_path, unsafe_env):
+    from lightning_hetero.flexdemo.checkpoint import read_meta
+
+    marker = tmp_path / "pwned"
+    _crafted(tmp_path / "meta.pt", marker, format="flexdemo-sharded")
+    with pytest.raises(pickle.UnpicklingError):
+        read_meta(tmp_path, None, "FlexDeMoStrategy")
+    assert not marker.exists()
