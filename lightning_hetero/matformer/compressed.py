@@ -54,6 +54,7 @@ __all__ = [
     "build_demo_replicator",
     "check_demo_arguments",
     "decode_error_feedback",
+    "sets_without_rank0",
     "demo_bytes_per_step",
     "demo_payload_bytes",
 ]
@@ -260,7 +261,7 @@ class CompressedExchange:
         state = self.state_dict()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [{key: value.cpu() for key, value in state.items()}]
-        uncovered = [members for members in self.groups.member_sets if len(members) > 1 and 0 not in members]
+        uncovered = sets_without_rank0(self.groups.member_sets)
         if uncovered:
             raise ValueError(
                 f"CompressedExchange.gather_state: ranks {uncovered[0]} share a bucket without global rank 0, so rank 0"
@@ -295,6 +296,15 @@ class CompressedExchange:
                 comm.recv(values, source, label=CHECKPOINT_LABEL)
             out.append(decode_error_feedback(raw, values, source=source, allowed=state))
         return out
+
+
+def sets_without_rank0(member_sets: Collection[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The multi-rank sets that share a bucket without global rank 0 (none when rank 0 trains every coordinate).
+
+    :meth:`CompressedExchange.gather_state` bounds what another rank sends by rank 0's own buckets, which holds only
+    when this is empty.
+    """
+    return [members for members in member_sets if len(members) > 1 and 0 not in members]
 
 
 def decode_error_feedback(

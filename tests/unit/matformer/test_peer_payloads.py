@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.aggregate import _check_reduced
 from lightning_hetero.matformer.arguments import module_schema
-from lightning_hetero.matformer.compressed import _bucket_names, build_demo_replicator, decode_error_feedback
+from lightning_hetero.matformer.compressed import (
+    _bucket_names,
+    build_demo_replicator,
+    decode_error_feedback,
+    sets_without_rank0,
+)
+from lightning_hetero.matformer.regions import layer_regions
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.schema import (
     SETUP_DOCUMENT,
@@ -22,6 +28,7 @@ from lightning_hetero.matformer.schema import (
     canonical_hash,
     schema_hash,
 )
+from lightning_hetero.matformer.tiers import widths_for
 from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,3 +189,9 @@ def test_an_honest_message_with_one_corrupted_field_keeps_the_decoder_rule(field
     assert_decoder_rule(
         lambda: decode_error_feedback(raw, values, source=1, allowed=OWN), peer=1, check_layout=_covers_own_buckets
     )
+
+
+@pytest.mark.parametrize(("tiers", "uncovered"), [([0, 1, 2], []), ([0, 0, 1], []), ([1, 0, 0], [(1, 2)])])
+def test_the_gather_bound_needs_rank0_in_every_shared_bucket(tiers, uncovered):
+    member_sets = {region.members for region in layer_regions(widths_for(tiers, 16))} | {(0, 1, 2)}
+    assert sets_without_rank0(member_sets) == uncovered  # rank 0 of tier 1 cannot bound the tier-0 ranks' bucket
