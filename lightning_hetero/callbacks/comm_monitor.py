@@ -2,9 +2,10 @@
 
 :class:`CommunicationMonitor` is a thin Lightning view over the process-global
 :class:`~lightning_hetero.comm.ByteLedger`. It cuts the ledger's traffic at step boundaries: setup (fit start until the
-first training batch), each optimizer step (all its micro-batches), and what falls between steps (validation). Under
-stock DDP it also counts the gradient all-reduce (:mod:`lightning_hetero.comm.ddp_hook`); what it cannot count
-(FSDP/FSDP2 collectives, Lightning's own metric syncs) it states once at fit start (:func:`describe_coverage`).
+first training batch), each optimizer step (all its micro-batches), and what falls between steps (validation). It
+also counts stock DDP's gradient all-reduce (:mod:`lightning_hetero.comm.ddp_hook`) and FSDP2's all-gathers and
+reduce-scatters (:mod:`lightning_hetero.comm.fsdp_comm`); what it cannot count (FSDP1, Lightning's own metric syncs)
+it states once at fit start (:func:`describe_coverage`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_hetero.comm.ddp_hook import ddp_uncounted_traffic, register_counted_allreduce
+from lightning_hetero.comm.fsdp_comm import count_fsdp2
 from lightning_hetero.comm.ledger import INTER, INTRA, SETUP_STEP, ByteLedger, LedgerTotals, get_ledger, validate_label
 from lightning_hetero.comm.units import parse_bandwidth
 
@@ -55,12 +57,13 @@ class CommunicationMonitor(Callback):
     with ``labels=None``, every label that has had traffic since the fit began (or has restored totals) is logged,
     so a single-process run without communication logs nothing.
 
-    What is counted: every call of :mod:`lightning_hetero.comm` (all traffic of our strategies' algorithms) and,
-    when the strategy wraps the model in stock ``DistributedDataParallel``, its gradient all-reduce, measured bucket
-    by bucket through a DDP comm hook this callback registers (label ``ddp_label``). Not counted, and stated once
-    at fit start on rank 0 (also in :attr:`coverage`): FSDP and FSDP2 (``fully_shard``) all-gathers and
-    reduce-scatters (including FlexDeMo's intra-node FSDP2), DDP's buffer broadcasts, other strategies' own
-    collectives and Lightning's (``self.log(sync_dist=True)``, ``strategy.broadcast``/``barrier``).
+    What is counted: every call of :mod:`lightning_hetero.comm` (all traffic of our strategies' algorithms); stock
+    ``DistributedDataParallel``'s gradient all-reduce, measured bucket by bucket through a DDP comm hook this callback
+    registers; and FSDP2's (``fully_shard``, including FlexDeMo's intra-node shard group) all-gathers and
+    reduce-scatters, measured per call through the custom comms FSDP2 accepts (label ``stock_label`` for both).
+    Not counted, and stated once at fit start on rank 0 (also in :attr:`coverage`): FSDP1's collectives, DDP's
+    buffer broadcasts, HSDP's replicate all-reduce, other strategies' own collectives and Lightning's
+    (``self.log(sync_dist=True)``, ``strategy.broadcast``/``barrier``).
 
     Args:
         bandwidths: Link rates to project onto, in ``tc`` syntax (``"1gbit"``, ``"100mbit"``, ``"10mbps"`` = bytes/s);
@@ -68,8 +71,8 @@ class CommunicationMonitor(Callback):
         labels: Labels to always log; None logs every label seen.
         log_every_n_steps: Log after every n-th optimizer step (counting from the first).
         prog_bar: Also show the metrics in the progress bar.
-        ddp_label: Label of stock DDP's gradient all-reduce; None: ``"inter"`` when the Trainer has several nodes,
-            else ``"intra"``.
+        stock_label: Label of the stock DDP / FSDP2 traffic this callback counts; None: ``"inter"`` when the group
+            has more ranks than one node, else ``"intra"``.
 
     Example (LightningCLI YAML)::
 
@@ -87,7 +90,7 @@ class CommunicationMonitor(Callback):
         labels: Sequence[str] | None = None,
         log_every_n_steps: int = 1,
         prog_bar: bool = False,
-        ddp_label: str | None = None,
+        stock_label: str | None = None,
     ) -> None:
         if isinstance(bandwidths, str):
             bandwidths = [bandwidths]  # a lone "1gbit" would otherwise be iterated character by character
@@ -103,18 +106,18 @@ class CommunicationMonitor(Callback):
                     validate_label(label)
                 except ValueError as error:
                     raise ValueError(f"CommunicationMonitor(labels=...): {error}") from None
-        if ddp_label is not None:
+        if stock_label is not None:
             try:
-                validate_label(ddp_label)
+                validate_label(stock_label)
             except ValueError as error:
-                raise ValueError(f"CommunicationMonitor(ddp_label=...): {error}") from None
+                raise ValueError(f"CommunicationMonitor(stock_label=...): {error}") from None
         if log_every_n_steps < 1:
             raise ValueError(f"CommunicationMonitor(log_every_n_steps={log_every_n_steps}) must be >= 1.")
         self.bandwidths = list(bandwidths)
         self.labels = None if labels is None else list(labels)
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
-        self.ddp_label = ddp_label
+        self.stock_label = stock_label
         self._totals: dict[str, LedgerTotals] = {}  # sum of optimizer steps since fit start + restored
         self._between: dict[str, LedgerTotals] = {}  # outside steps after setup, since fit start + restored
         self._setup: dict[str, LedgerTotals] = {}  # this fit's setup
@@ -159,7 +162,7 @@ class CommunicationMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._coverage = describe_coverage(trainer, self.ddp_label, count_ddp=True)
+        self._coverage = describe_coverage(trainer, self.stock_label, count_stock=True)
         if self._coverage:
             rank_zero_info(self._coverage)
 
@@ -255,13 +258,15 @@ def _totals_from(entries: dict[str, Any]) -> dict[str, LedgerTotals]:
     return {label: LedgerTotals(int(v["sent"]), int(v["received"]), int(v["calls"])) for label, v in entries.items()}
 
 
-def describe_coverage(trainer: Trainer, ddp_label: str | None = None, count_ddp: bool = False) -> str:
+def describe_coverage(trainer: Trainer, stock_label: str | None = None, count_stock: bool = False) -> str:
     """What the ``comm/*`` metrics count in this run and what they do not; empty for a single process.
 
     Args:
         trainer: A Trainer whose strategy is set up (``on_fit_start`` or later).
-        ddp_label: Label for stock DDP's gradient all-reduce (None: ``"inter"`` with several nodes, else ``"intra"``).
-        count_ddp: Register the counted all-reduce hook when the model is wrapped in stock DDP.
+        stock_label: Label for stock DDP's / FSDP2's traffic (None: ``"inter"`` when the group has more ranks than
+            one node, else ``"intra"``).
+        count_stock: Install the counting DDP comm hook and FSDP2 comms (:mod:`lightning_hetero.comm.ddp_hook`,
+            :mod:`lightning_hetero.comm.fsdp_comm`) where the model uses stock DDP or ``fully_shard``.
     """
     if trainer.world_size <= 1:
         return ""
@@ -269,31 +274,60 @@ def describe_coverage(trainer: Trainer, ddp_label: str | None = None, count_ddp:
     model = strategy.model if strategy.model is not None else trainer.lightning_module
     counted = ["every lightning_hetero.comm collective (all traffic of lightning_hetero's algorithms)"]
     missing: list[str] = []
-    if isinstance(model, DistributedDataParallel):
-        label = ddp_label or (INTER if trainer.num_nodes > 1 else INTRA)
-        if count_ddp and _count_ddp_allreduce(model, label):
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if is_ddp:
+        label = stock_label or _auto_label(trainer, trainer.world_size)
+        if count_stock and _count_ddp_allreduce(model, label):
             counted.append(f"stock DDP's gradient all-reduce, measured per bucket (label {label!r})")
         else:
             missing.append("DDP's gradient all-reduce (another DDP comm hook is registered, e.g. ddp_comm_hook=)")
         missing.extend(ddp_uncounted_traffic(model))
     modules = list(model.modules()) if model is not None else []
     fsdp1 = sum(isinstance(module, FullyShardedDataParallel) for module in modules)
-    fsdp2 = sum(isinstance(module, FSDPModule) for module in modules)
     if fsdp1:
         missing.append(f"FSDP's parameter all-gathers and gradient reduce-scatters ({fsdp1} FSDP unit(s))")
-    if fsdp2:
-        missing.append(
-            f"FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters ({fsdp2} module(s); under "
-            "FlexDeMo this is the intra-node shard group, whose inter-node replica traffic is counted)"
-        )
+    shard_size = _fsdp2_shard_size(modules)
+    if shard_size is not None and model is not None:
+        label = stock_label or _auto_label(trainer, shard_size)
+        coverage = count_fsdp2(model, label) if count_stock else None
+        if coverage is not None and coverage.counted:
+            counted.append(
+                f"FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters of {len(coverage.counted)} "
+                f"module(s), measured per call (label {label!r}; under FlexDeMo, the intra-node shard group)"
+            )
+        uncounted = coverage.uncounted if coverage is not None else {"all": "counting not installed"}
+        if uncounted:
+            reasons = "; ".join(f"{name}: {why}" for name, why in uncounted.items())
+            missing.append(f"FSDP2 (fully_shard) all-gathers and reduce-scatters of {reasons}")
+        if coverage is not None and coverage.hsdp:
+            missing.append(
+                f"FSDP2's all-reduce across the replicate dimension of 2-D meshes ({len(coverage.hsdp)} mod.)"
+            )
     ours = type(strategy).__module__.startswith("lightning_hetero.")
-    if not (ours or isinstance(model, DistributedDataParallel)):
+    if not (ours or is_ddp):
         missing.append(f"any other collective {type(strategy).__name__} issues (it does not use lightning_hetero.comm)")
     missing.append(
         "Lightning's own collectives: self.log(..., sync_dist=True) reductions and strategy.broadcast/barrier/"
         "all_gather"
     )
     return f"CommunicationMonitor counts {'; '.join(counted)}. NOT counted in comm/* metrics: {'; '.join(missing)}."
+
+
+def _auto_label(trainer: Trainer, group_size: int) -> str:
+    """``"inter"`` for a group larger than one node's ranks, else ``"intra"``."""
+    return INTER if trainer.num_nodes > 1 and group_size > trainer.num_devices else INTRA
+
+
+def _fsdp2_shard_size(modules: list[torch.nn.Module]) -> int | None:
+    """Ranks of the FSDP2 shard group (the mesh's last dimension), or None without ``fully_shard`` modules."""
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            for parameter in module.parameters():
+                mesh = getattr(parameter, "device_mesh", None)
+                if mesh is not None:
+                    return int(mesh.size(mesh.ndim - 1))
+            return 1
+    return None
 
 
 def _count_ddp_allreduce(model: DistributedDataParallel, label: str) -> bool:

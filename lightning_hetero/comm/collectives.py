@@ -43,6 +43,10 @@ Dtypes gloo lacks (int16, uint16, uint32, uint64, the float8 family and other ex
 ``op="avg"`` is always computed as a sum followed by an in-place division by ``n`` (gloo has no ``ReduceOp.AVG``);
 with ``async_op=True`` the division happens in the returned handle's ``wait()``, so call it before reading.
 
+:class:`CountedFSDPAllGather` and :class:`CountedFSDPReduceScatter` are FSDP2's own default collectives with a ledger
+record added, for ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``
+(:mod:`lightning_hetero.comm.fsdp_comm` installs them).
+
 Calling a wrapper with a group this rank does not belong to raises ``ValueError`` (torch would silently do nothing).
 Without an initialized process group the wrappers act as a world of one (identity / copy, 0 bytes, the call still
 recorded) unless the ``WORLD_SIZE`` environment variable says there should be more ranks, which raises instead.
@@ -74,6 +78,8 @@ from lightning_hetero.comm.wrapping import (
 __all__ = [
     "COUNTED_OPS",
     "REDUCE_OPS",
+    "CountedFSDPAllGather",
+    "CountedFSDPReduceScatter",
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
@@ -391,3 +397,58 @@ def barrier(*, group: Any | None = None, async_op: bool = False) -> Any | None:
     if not initialized:
         return finish(None, None, async_op)
     return dist.barrier(group=group, async_op=async_op)
+
+
+# ------------------------------------------------------------------------------------------ FSDP2 custom comms
+try:  # the base classes FSDPModule.set_custom_all_gather / set_custom_reduce_scatter expect (torch >= 2.7)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _FSDPAllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
+except ImportError:  # pragma: no cover - older torch: FSDP2 only duck-types these
+    _FSDPAllGather = _FSDPReduceScatter = object  # type: ignore[assignment,misc]
+
+
+class _CountedFSDPComm:
+    """What both FSDP2 comms share: their label and ledger, and FSDP's default allocation."""
+
+    def __init__(self, label: str, ledger: ByteLedger | None = None) -> None:
+        self.label = validate_label(label)
+        self.ledger = ledger
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's default allocation: a plain empty tensor."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountedFSDPAllGather(_CountedFSDPComm, _FSDPAllGather):  # type: ignore[misc]
+    """FSDP2's parameter all-gather, counted: the call FSDP makes by default, recorded as ``all_gather_into_tensor``.
+
+    Install with ``fsdp_module.set_custom_all_gather(CountedFSDPAllGather(label))`` (see
+    :func:`lightning_hetero.comm.fsdp_comm.count_fsdp2`). The collective, its reduce op and its numerics are FSDP's
+    own; only the ledger record is added (``S_local`` = this rank's flat shard input).
+    """
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any | None:
+        n, _ = group_info(group, "all_gather_into_tensor")
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        work = fn(output_tensor, input_tensor, group=group, async_op=async_op)
+        record(self.ledger, "all_gather_into_tensor", self.label, nbytes(input_tensor), n)
+        return work
+
+
+class CountedFSDPReduceScatter(_CountedFSDPComm, _FSDPReduceScatter):  # type: ignore[misc]
+    """FSDP2's gradient reduce-scatter, counted: FSDP's default call, recorded as ``reduce_scatter_tensor``.
+
+    Install with ``fsdp_module.set_custom_reduce_scatter(CountedFSDPReduceScatter(label))``. ``S`` is the full flat
+    gradient input (padded as FSDP pads it), in the reduce dtype FSDP chose.
+    """
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any | None:
+        n, _ = group_info(group, "reduce_scatter_tensor")
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        work = fn(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+        record(self.ledger, "reduce_scatter_tensor", self.label, nbytes(input_tensor), n)
+        return work

@@ -4,9 +4,10 @@
   element (4 bytes, float32) all-reduced once per optimizer step, times the ledger's ring factor ``2*(n-1)/n`` (1 for
   ``n = 2``). What is not counted (DDP's buffer broadcast, Lightning's metric syncs) is said once, on rank 0.
 - Stock FSDP2 (Lightning's ``ModelParallelStrategy``, the user's ``configure_model`` calling ``fully_shard``; stock
-  ``FSDPStrategy`` refuses CPU): nothing of FSDP's collectives is counted, and the note says so, once, on rank 0.
+  ``FSDPStrategy`` refuses CPU): its all-gathers and reduce-scatters are counted and equal hand arithmetic; the note
+  says, once, on rank 0, what that strategy may issue besides.
 - FlexDeMo (one of ours): step 0's bytes equal a later step's, the initial model broadcast is reported as setup, and
-  ``bytes_sent_total`` is the sum of the steps; with an intra-node FSDP2 shard group the note says it is not counted.
+  ``bytes_sent_total`` is the sum of the steps; an intra-node FSDP2 shard group's traffic is counted too.
 
 The Trainers run inside one :func:`~lightning_hetero.testing.run_distributed` spawn (module-scoped fixture): the
 process group exists already, so Lightning launches nothing and ``strategy="ddp"`` never runs in the pytest process.
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_hetero import FlexDeMoStrategy
 from lightning_hetero.callbacks import CommunicationMonitor
-from lightning_hetero.comm import INTER, INTRA
+from lightning_hetero.comm import INTER, INTRA, get_ledger
 from lightning_hetero.testing import run_distributed
 from tests.usercode.usernets import UserLlama
 
@@ -69,6 +70,14 @@ class UserLlamaFSDP2(UserLlama):
         fully_shard(self.model, mesh=mesh)
 
 
+def _sum_by_op(records: Any) -> dict[str, int]:
+    sums: dict[str, int] = {}
+    for record in records:
+        key = f"{record.op}/{record.label}"
+        sums[key] = sums.get(key, 0) + record.sent
+    return sums
+
+
 def _fit(strategy: Any, module_class: type[UserLlama] = UserLlama) -> dict[str, Any]:
     monitor, recorder, notes = CommunicationMonitor(), _StepMetrics(), _Notes()
     logger = rank_zero_module.log
@@ -88,15 +97,21 @@ def _fit(strategy: Any, module_class: type[UserLlama] = UserLlama) -> dict[str, 
             limit_val_batches=0,
             callbacks=[monitor, recorder],
         )
-        trainer.fit(module)
+        with get_ledger().capture() as seen:
+            trainer.fit(module)
     finally:
         logger.removeHandler(notes)
-    grads = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    grads = sum(p.numel() for p in module.parameters() if p.requires_grad)  # global sizes, also for DTensors
+    layers = sum(p.numel() for p in module.model.model.layers.parameters())
     return {
         "steps": recorder.steps,
         "coverage": monitor.coverage,
         "notes": [m for m in notes.messages if NOTE in m],
         "grad_elements": grads,
+        "layer_elements": layers,
+        "sent_by_op": [  # per optimizer step: bytes sent per (op, label), from the ledger's own records
+            _sum_by_op(record for record in seen.records() if record.step == step) for step in range(STEPS)
+        ],
         "setup": {label: monitor.setup_totals(label).sent for label in (INTER, INTRA)},
     }
 
@@ -134,14 +149,25 @@ def test_stock_ddp_gradient_allreduce_is_counted_exactly(runs: list[dict[str, An
     assert runs[1]["ddp"]["notes"] == []
 
 
-def test_stock_fsdp2_says_once_what_is_not_counted(runs: list[dict[str, Any]]) -> None:
-    for result in runs:
+def test_stock_fsdp2_all_gathers_and_reduce_scatters_are_counted_exactly(runs: list[dict[str, Any]]) -> None:
+    n = 2
+    for rank, result in enumerate(runs):
         fsdp = result["fsdp"]
-        assert "NOT counted" in fsdp["coverage"]
-        assert "FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters" in fsdp["coverage"]
-        assert "ModelParallelStrategy" in fsdp["coverage"]  # and whatever else that strategy issues itself
-        assert all(metrics.get("comm/intra/bytes_sent_step", 0) == 0 for metrics in fsdp["steps"])
-    assert runs[0]["fsdp"]["notes"] == [runs[0]["fsdp"]["coverage"]]
+        # fp32, no padding (every dim0 is even). Reduce-scatter: every gradient element once, (n-1)/n of S each way.
+        reduce_scatter = fsdp["grad_elements"] * 4 * (n - 1) // n
+        # All-gather, (n-1) * this rank's 1/n shard: every parameter in forward, and the decoder layers again in
+        # backward (resharded after forward; the root is not).
+        all_gather = (fsdp["grad_elements"] + fsdp["layer_elements"]) * 4 * (n - 1) // n
+        for step in range(STEPS):
+            by_op = fsdp["sent_by_op"][step]
+            assert by_op == {"all_gather_into_tensor/intra": all_gather, "reduce_scatter_tensor/intra": reduce_scatter}
+            assert fsdp["steps"][step]["comm/intra/bytes_sent_step"] == all_gather + reduce_scatter, (rank, step)
+        assert (
+            "FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters of 3 module(s)"
+            in (fsdp["coverage"].split("NOT counted")[0])
+        )
+        assert "any other collective ModelParallelStrategy issues" in fsdp["coverage"].split("NOT counted")[1]
+    assert runs[0]["fsdp"]["notes"] == [runs[0]["fsdp"]["coverage"]]  # said once, on rank 0 only
     assert runs[1]["fsdp"]["notes"] == []
 
 
@@ -159,10 +185,17 @@ def test_flexdemo_step_zero_is_a_step_like_the_others_and_setup_is_separate(runs
         assert "FSDP2" not in flex["coverage"]  # shard groups of one: FlexDeMo applies no FSDP2, nothing to miss
 
 
-def test_flexdemo_intra_node_fsdp2_is_stated_as_not_counted(runs: list[dict[str, Any]]) -> None:
+def test_flexdemo_intra_node_fsdp2_is_counted(runs: list[dict[str, Any]]) -> None:
+    n = 2
     for result in runs:
         sharded = result["flexdemo_sharded"]
-        assert "FSDP2 (fully_shard) parameter all-gathers and gradient reduce-scatters" in sharded["coverage"]
-        assert "under FlexDeMo this is the intra-node shard group" in sharded["coverage"]
+        reduce_scatter = sharded["grad_elements"] * 4 * (n - 1) // n
+        per_step = [by_op["reduce_scatter_tensor/intra"] for by_op in sharded["sent_by_op"]]
+        assert per_step == [reduce_scatter] * STEPS
+        gathers = [by_op["all_gather_into_tensor/intra"] for by_op in sharded["sent_by_op"]]
+        assert gathers[0] >= sharded["grad_elements"] * 4 * (n - 1) // n and len(set(gathers)) == 1
+        sent = [metrics["comm/intra/bytes_sent_step"] for metrics in sharded["steps"]]
+        assert sent == [gathers[0] + reduce_scatter] * STEPS
+        assert "under FlexDeMo, the intra-node shard group" in sharded["coverage"].split("NOT counted")[0]
     assert runs[0]["flexdemo_sharded"]["notes"] == [runs[0]["flexdemo_sharded"]["coverage"]]
     assert runs[1]["flexdemo_sharded"]["notes"] == []

@@ -219,8 +219,8 @@ def test_bad_bandwidth_fails_at_construction_naming_the_argument(bad: str) -> No
 def test_other_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"CommunicationMonitor\(labels=\.\.\.\)"):
         CommunicationMonitor(labels=[""])
-    with pytest.raises(ValueError, match=r"CommunicationMonitor\(ddp_label=\.\.\.\)"):
-        CommunicationMonitor(ddp_label="")
+    with pytest.raises(ValueError, match=r"CommunicationMonitor\(stock_label=\.\.\.\)"):
+        CommunicationMonitor(stock_label="")
     with pytest.raises(ValueError, match=r"log_every_n_steps=0"):
         CommunicationMonitor(log_every_n_steps=0)
     assert CommunicationMonitor(bandwidths="1gbit").bits_per_second == {"1gbit": 1e9}  # type: ignore[arg-type]
