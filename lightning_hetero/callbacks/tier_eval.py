@@ -45,7 +45,8 @@ class TierEvaluation(Callback):
     ``val/perplexity_tier{t} = exp(value)``. The value is averaged over batches weighted by batch size, like the
     ``val/loss`` of our modules, so ``val/loss_tier0`` equals the module's validation loss on the same batches. It
     is skipped during the sanity check. ``results`` holds the latest values, tier -> dict. A module with neither
-    ``validation_step`` nor the hook fails in ``setup``, before the first step.
+    ``validation_step`` nor the hook fails in ``setup``; one whose value cannot be read (e.g. a ``metric`` it never
+    logs) fails when fit starts, on one probe batch: both before the first training step.
 
     Which batches: those of the loader Lightning's validation loop uses (the datamodule's, the module's own
     ``val_dataloader``, or ``fit(val_dataloaders=...)``), unsharded. ``limit_batches=None`` evaluates as many batches
@@ -104,6 +105,18 @@ class TierEvaluation(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not is_tiered(trainer) or trainer.global_rank == 0:
             self._check(pl_module)
+        self._probe(trainer, pl_module)
+
+    def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Read the value of one validation batch now, so a module we cannot evaluate fails before training.
+
+        Every rank runs it at the width it holds, the same way on all ranks, so a failure stops every rank here
+        (nothing is logged, no collective is started). Skipped when validation is off (``limit_val_batches=0``).
+        """
+        if trainer.limit_val_batches == 0:
+            return
+        loader = validation_loader(trainer, pl_module, "TierEvaluation")
+        mean_validation_loss(trainer, pl_module, loader, 1, "TierEvaluation", metric=self.metric)
 
     def _limit(self, trainer: Trainer) -> int | None:
         if self.limit_batches is not None:

@@ -374,6 +374,14 @@ def test_tier_evaluation_without_validation_step_fails_before_the_first_step():
     assert module.steps_seen == 0
 
 
+def test_tier_evaluation_with_a_metric_the_module_never_logs_fails_before_the_first_step():
+    module = _Probe()
+    evaluation = TierEvaluation(metric="val_accuracy", limit_batches=1)
+    with pytest.raises(RuntimeError, match=r"TierEvaluation\(metric='val_accuracy'\).*it logged \['val_loss'\]"):
+        _trainer([evaluation], max_steps=2, limit_val_batches=1, val_check_interval=2).fit(module)
+    assert module.steps_seen == 0
+
+
 def test_tier_evaluation_rejects_tiers_the_model_cannot_run():
     trainer = _trainer([TierEvaluation(tiers=[9])], max_steps=1)
     with pytest.raises(ValueError, match=r"TierEvaluation\(tiers=\[9\]\): tier 9"):
