@@ -5,6 +5,8 @@
   included), and the export loads with ``from_pretrained``.
 - ``LayerwiseStrategy`` (DGL, ``strategy: layerwise``) on a user module on 2 ranks with ``export_dir``: the export
   loads with ``from_pretrained`` and gives the logits of the trained stages.
+- ``SparseFlipStrategy`` on ``UserCNN`` (2 ranks): next to Lightning's model summary, whose "Total params" counts
+  parameters only, rank 0 prints how many low-bit weights (int8 code buffers) the model has.
 
 The Trainer runs inside :func:`~lightning_hetero.testing.run_distributed` workers: the process group exists already
 (Lightning sees ``LOCAL_RANK`` and launches nothing), so ``strategy="ddp"`` never runs in the pytest process.
@@ -12,6 +14,7 @@ The Trainer runs inside :func:`~lightning_hetero.testing.run_distributed` worker
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +22,15 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 
 from lightning_hetero.callbacks import GreedyLayerwise
+from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
+from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
 from lightning_hetero.testing import run_distributed
-from tests.usercode.usernets import Progressions, UserLlama
+from tests.usercode.usernets import Progressions, UserCNN, UserLlama
 
 
 class _Record(Callback):
@@ -124,3 +130,39 @@ def test_dgl_layerwise_on_a_user_module_exports_the_trained_model(tmp_path: Path
     with torch.no_grad():
         logits = exported(input_ids=Progressions(4, seed=5).ids).logits
     torch.testing.assert_close(logits, results[1]["logits"], rtol=1e-5, atol=1e-5)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _sparseflip_summary_worker(rank: int, world_size: int) -> dict[str, Any]:
+    lines = _Lines()
+    logging.getLogger("lightning.pytorch").addHandler(lines)  # rank_zero_info and the model summary log here
+    module = UserCNN(train_items=64)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=SparseFlipStrategy(), max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=True, limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    codes = sum(layer.codes.numel() for _, layer in lowbit_layers(module))
+    return {"lines": lines.lines, "codes": codes, "summary_total": ModelSummary(module).total_parameters}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sparseflip_reports_the_low_bit_weights_next_to_the_model_summary() -> None:
+    first, second = run_distributed(_sparseflip_summary_worker, 2, timeout=300)
+    # the summary's "Total params" leaves out most of the model: the low-bit weights are int8 code buffers
+    assert first["codes"] > 10 * first["summary_total"]
+    expected = f"low-bit weights: {first['codes']:,} (ternary codes"
+    report = [line for line in first["lines"] if expected in line]
+    assert len(report) == 1, first["lines"]  # printed once (during setup, so before the summary's table)
+    assert f"counts the {first['summary_total']:,} fp parameters" in report[0]
+    assert not any("low-bit weights" in line for line in second["lines"])  # rank 0 only

@@ -10,6 +10,10 @@ The work is done by :class:`~lightning_hetero.lowbit.runtime.SparseFlipRuntime`;
   ``lowbit/flips``, ``lowbit/selected`` and ``comm/*`` bytes are logged per step.
 
 Checkpoints are Lightning's single file from rank 0: the codes and scales are buffers of the module's state dict.
+
+Lightning's model summary counts parameters only, so its "Total params" leaves the low-bit weights out (their codes
+are int8 buffers): right after the conversion the strategy prints ``SparseFlipStrategy: low-bit weights: N (ternary
+codes) in L layers, ...`` on rank 0, just before the summary.
 """
 
 from __future__ import annotations
@@ -17,14 +21,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hetero.core import runtime_arguments
+from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
-__all__ = ["SparseFlipStrategy"]
+__all__ = ["SparseFlipStrategy", "lowbit_summary"]
+
+
+def lowbit_summary(module: nn.Module, kind: str) -> str:
+    """One line on what Lightning's model summary does not count: the low-bit weights (int8 code buffers)."""
+    layers = lowbit_layers(module, mode="flip")
+    codes = sum(layer.codes.numel() for _, layer in layers)
+    fp = sum(p.numel() for p in module.parameters())
+    return (
+        f"SparseFlipStrategy: low-bit weights: {codes:,} ({kind} codes, int8 buffers) in {len(layers)} layers; they "
+        f"are not in the model summary's 'Total params', which counts the {fp:,} fp parameters (biases, norms, "
+        f"scales, skipped layers)."
+    )
 
 
 class SparseFlipStrategy(TrainerStrategyBase):
@@ -102,6 +120,7 @@ class SparseFlipStrategy(TrainerStrategyBase):
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
         self.runtime.setup(self.lightning_module, self.root_device)  # before optimizers, precision and restore
+        rank_zero_info(lowbit_summary(self.lightning_module, self.runtime.kind))
         super().setup(trainer)
 
     @override
