@@ -252,11 +252,15 @@ def _int8_minus_128() -> torch.Tensor:
 
 
 def _layerwise_header() -> Any:
+    """A stale asynchronous header (no local expectation for its step) announcing 4 GiB, at a stage whose own layout
+    is batches of 8 x (16, 64) activations."""
     from lightning_hetero.layerwise.decoupled import ActivationLink
 
     link = ActivationLink(peer=1, codec="fp32", asynchronous=True)
-    # step 0, batch 1, fp32, one sample dim of 2**30 values: 4 GiB announced for one message.
-    return link.check_header(torch.tensor([0, 1, 0, 1, 2**30, -1, -1, -1]))
+    if hasattr(link, "allow_layout"):  # the receiver's own layout, recorded as training does before a header arrives
+        link.allow_layout(8, (16, 64))
+    # step 0, batch 1, fp32, sample (16, 2**26): 2**30 float32 values, 4 GiB for one message.
+    return link.check_header(torch.tensor([0, 1, 0, 2, 16, 2**26, -1, -1]))
 
 
 @contextlib.contextmanager
