@@ -310,24 +310,43 @@ def unpack_peer_indices(
         _check_peer_bytes(data, nbytes, who, where, peer, what)
         raw = data.reshape(-1)
         indices = unpack_indices(raw, count, bits)
-        if bits == 12 and count % 2 and int(raw[-1]) >> 4:  # the lone last index's unused high nibble
-            raise PeerPayloadError(
-                f"{who} sent non-zero padding bits{where} (field {what}); refusing them.", peer, what
-            )
-        if indices.numel() and int(indices.max()) >= limit:  # unpacked indices are never negative
-            raise PeerPayloadError(
-                f"{who} sent index {int(indices.max())}{where} (field {what}), outside [0, {limit}); refusing to"
-                " apply it.",
-                peer,
-                what,
-            )
-        if rows and count > rows:
-            ordered = indices.view(rows, count // rows).sort(dim=1).values
-            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                raise PeerPayloadError(
-                    f"{who} sent a row that repeats an index{where} (field {what}); refusing to apply it.", peer, what
-                )
+        if not count:
+            return indices
+        # Every check as one device flag, read once (a host sync per check would stall a GPU once per rank and piece).
+        bad = indices.max() >= limit  # unpacked indices are never negative
+        if bits == 12 and count % 2:
+            bad = bad | (raw[-1] >> 4 != 0)  # the lone last index's unused high nibble
+        ordered = indices.view(rows, count // rows).sort(dim=1).values if rows and count > rows else None
+        if ordered is not None:
+            bad = bad | (ordered[:, 1:] == ordered[:, :-1]).any()
+        if bool(bad):
+            _refuse_indices(raw, indices, ordered, bits, limit, who, where, peer, what)
     return indices
+
+
+def _refuse_indices(
+    raw: torch.Tensor,
+    indices: torch.Tensor,
+    ordered: torch.Tensor | None,
+    bits: int,
+    limit: int,
+    who: str,
+    where: str,
+    peer: int | None,
+    what: str,
+) -> None:
+    """Raise the :class:`PeerPayloadError` that says which index check failed (only called when one did)."""
+    if bits == 12 and indices.numel() % 2 and int(raw[-1]) >> 4:
+        raise PeerPayloadError(f"{who} sent non-zero padding bits{where} (field {what}); refusing them.", peer, what)
+    if int(indices.max()) >= limit:
+        raise PeerPayloadError(
+            f"{who} sent index {int(indices.max())}{where} (field {what}), outside [0, {limit}); refusing to apply it.",
+            peer,
+            what,
+        )
+    raise PeerPayloadError(
+        f"{who} sent a row that repeats an index{where} (field {what}); refusing to apply it.", peer, what
+    )
 
 
 def unpack_peer_values(
@@ -367,28 +386,48 @@ def unpack_peer_values(
     with peer_decoding(peer, what):
         _check_peer_bytes(data, nbytes, who, where, peer, what)
         raw = data.reshape(-1)
-        if encoding in ("sign", "ternary"):
-            _check_low_bit(raw, rows, count, encoding, who, where, peer, what, bound)
         values = unpack_values(raw, rows, cols, encoding)
-        if values.numel() and not bool(torch.isfinite(values).all()):
-            raise PeerPayloadError(
-                f"{who} sent non-finite values{where} (field {what}); refusing to apply them (a diverged or corrupt"
-                " peer: check its loss, or restart from the last checkpoint).",
-                peer,
-                what,
-            )
-        largest = float(values.abs().max()) if values.numel() else 0.0
-        if largest > bound:
-            raise PeerPayloadError(
-                f"{who} sent a value of magnitude {largest:.3g}{where} (field {what}), above the bound {bound:.3g}"
-                " that no healthy run reaches; refusing to apply it (a corrupt or hostile peer).",
-                peer,
-                what,
-            )
+        if not nbytes:
+            return values
+        # One device flag for every check, read once; NaN fails every comparison, so "<= bound" also refuses it.
+        bad = ~(values.abs() <= bound).all()
+        low_bit = encoding in ("sign", "ternary")
+        if low_bit:
+            scale, codes = _scale_and_codes(raw, rows, encoding)
+            bad = bad | ~((scale >= 0) & (scale <= bound)).all() | (codes[count:] != 0).any() | (codes == 3).any()
+        if bool(bad):
+            if low_bit:
+                _refuse_low_bit(raw, rows, count, encoding, who, where, peer, what, bound)
+            _refuse_values(values, who, where, peer, what, bound)
     return values
 
 
-def _check_low_bit(
+def _scale_and_codes(raw: torch.Tensor, rows: int, encoding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 scales and every 1- or 2-bit code of a sign/ternary payload (padding codes included)."""
+    per_byte = 8 if encoding == "sign" else 4
+    body_bytes = raw.numel() - _SCALE_BYTES * rows
+    scale = raw[body_bytes:].clone().view(torch.float32)
+    return scale, _unpack_bits(raw[:body_bytes], body_bytes * per_byte, per_byte)
+
+
+def _refuse_values(values: torch.Tensor, who: str, where: str, peer: int | None, what: str, bound: float) -> None:
+    """Raise the :class:`PeerPayloadError` for non-finite or too large values (only called when there are some)."""
+    if not bool(torch.isfinite(values).all()):
+        raise PeerPayloadError(
+            f"{who} sent non-finite values{where} (field {what}); refusing to apply them (a diverged or corrupt peer:"
+            " check its loss, or restart from the last checkpoint).",
+            peer,
+            what,
+        )
+    raise PeerPayloadError(
+        f"{who} sent a value of magnitude {float(values.abs().max()):.3g}{where} (field {what}), above the bound"
+        f" {bound:.3g} that no healthy run reaches; refusing to apply it (a corrupt or hostile peer).",
+        peer,
+        what,
+    )
+
+
+def _refuse_low_bit(
     raw: torch.Tensor,
     rows: int,
     count: int,
@@ -399,30 +438,27 @@ def _check_low_bit(
     what: str,
     bound: float,
 ) -> None:
-    """Scales finite, ``>= 0`` and bounded; no ternary code 3; padding bits zero (sign and ternary)."""
-    per_byte = 8 if encoding == "sign" else 4
-    body_bytes = raw.numel() - _SCALE_BYTES * rows
-    scale = raw[body_bytes:].clone().view(torch.float32)
+    """Raise for a NaN/Inf, negative or too large scale, non-zero padding bits or a ternary code 3, if any."""
+    scale, codes = _scale_and_codes(raw, rows, encoding)
     field = f"{what}.scale"
-    if scale.numel() and not bool(torch.isfinite(scale).all()):
+    if not bool(torch.isfinite(scale).all()):
         raise PeerPayloadError(
             f"{who} sent non-finite values: a NaN/Inf scale{where} (field {field}); refusing it.", peer, field
         )
-    if scale.numel() and bool((scale < 0).any()):
+    if bool((scale < 0).any()):
         raise PeerPayloadError(
             f"{who} sent a negative scale {float(scale.min()):.3g}{where} (field {field}; an honest scale is a mean"
             " magnitude, >= 0); refusing it.",
             peer,
             field,
         )
-    if scale.numel() and float(scale.max()) > bound:
+    if float(scale.max()) > bound:
         raise PeerPayloadError(
             f"{who} sent a scale of magnitude {float(scale.max()):.3g}{where} (field {field}), above the bound"
             f" {bound:.3g}; refusing it.",
             peer,
             field,
         )
-    codes = _unpack_bits(raw[:body_bytes], body_bytes * per_byte, per_byte)
     if bool((codes[count:] != 0).any()):
         raise PeerPayloadError(
             f"{who} sent non-zero padding bits{where} (field {what}.padding); refusing them.", peer, f"{what}.padding"

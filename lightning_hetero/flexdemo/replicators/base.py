@@ -102,21 +102,21 @@ class Bucket:
 def check_peer_values(values: torch.Tensor, rank: int, key: int) -> None:
     """Refuse non-finite values, or values above ``MAX_PEER_MAGNITUDE``, from replica ``rank`` for piece ``key``
     (every replica sees the same bytes, so every replica raises the same error instead of applying them)."""
-    if values.numel() and not bool(torch.isfinite(values).all()):
+    if not values.numel() or bool((values.abs() <= MAX_PEER_MAGNITUDE).all()):  # one sync; NaN compares False
+        return
+    if not bool(torch.isfinite(values).all()):
         raise PeerPayloadError(
             f"replica {rank} sent non-finite values for parameter piece {key}; refusing to apply them "
             "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint).",
             rank,
             "values",
         )
-    largest = float(values.abs().max()) if values.numel() else 0.0
-    if largest > MAX_PEER_MAGNITUDE:
-        raise PeerPayloadError(
-            f"replica {rank} sent values of magnitude {largest:.3g} for parameter piece {key}, above the bound"
-            f" {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply them.",
-            rank,
-            "values",
-        )
+    raise PeerPayloadError(
+        f"replica {rank} sent values of magnitude {float(values.abs().max()):.3g} for parameter piece {key}, above the"
+        f" bound {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply them.",
+        rank,
+        "values",
+    )
 
 
 def check_combined(combined: torch.Tensor, key: int, source: str, peer: int | None = None) -> None:
@@ -128,22 +128,22 @@ def check_combined(combined: torch.Tensor, key: int, source: str, peer: int | No
         source: Who produced it, for the message (``"replica 2"``, ``"the replicas' all-reduced values"``).
         peer: The replica to name in the error when a single one produced it.
     """
+    if not combined.numel() or bool((combined.abs() <= MAX_PEER_MAGNITUDE).all()):  # one sync; NaN compares False
+        return
     field = "values" if peer is not None else "combined"
-    if combined.numel() and not bool(torch.isfinite(combined).all()):
+    if not bool(torch.isfinite(combined).all()):
         raise PeerPayloadError(
             f"{source} decode to non-finite values for parameter piece {key}; refusing to apply them (a corrupt or"
             " hostile peer: finite values can still sum past fp32's range).",
             peer,
             field,
         )
-    largest = float(combined.abs().max()) if combined.numel() else 0.0
-    if largest > MAX_PEER_MAGNITUDE:
-        raise PeerPayloadError(
-            f"{source} decode to an update of magnitude {largest:.3g} for parameter piece {key}, above the bound"
-            f" {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply it.",
-            peer,
-            field,
-        )
+    raise PeerPayloadError(
+        f"{source} decode to an update of magnitude {float(combined.abs().max()):.3g} for parameter piece {key}, above"
+        f" the bound {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply it.",
+        peer,
+        field,
+    )
 
 
 class Replicator(ABC):

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_peer_values, value_nbytes
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
 from lightning_hetero.flexdemo.replicators.base import (
     PeerPayloadError,
     Piece,
@@ -80,6 +81,9 @@ class _DenseValueReplicator(Replicator):
             PeerPayloadError: The sum is non-finite or its mean is above ``MAX_PEER_MAGNITUDE`` (no single sender
                 can be named: the all-reduce hands over the sum only).
         """
+        mean = summed.float() / self.num_replicas
+        if bool((mean.abs() <= MAX_PEER_MAGNITUDE).all()):  # the common case, one sync; NaN compares False
+            return self._expand(piece, mean)
         if not bool(torch.isfinite(summed).all()):
             raise PeerPayloadError(
                 f"the replicas' all-reduced values for parameter piece {piece.key} are non-finite: some replica sent "
@@ -87,8 +91,7 @@ class _DenseValueReplicator(Replicator):
                 None,
                 "combined",
             )
-        mean = summed.float() / self.num_replicas
-        check_combined(mean, piece.key, "the replicas' all-reduced values")
+        check_combined(mean, piece.key, "the replicas' all-reduced values")  # raises: above the bound
         return self._expand(piece, mean)
 
     def _combine_gathered(self, piece: Piece, per_rank: list[torch.Tensor], ranks: list[int]) -> torch.Tensor:
