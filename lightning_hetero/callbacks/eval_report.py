@@ -271,6 +271,11 @@ def _kept_metric_states(pl_module: LightningModule) -> Iterator[None]:
 
 def _as_float(value: Any, what: str, caller: str) -> float:
     if hasattr(value, "_forward_cache") and hasattr(value, "compute"):  # a torchmetrics Metric: this batch's value
+        if value._forward_cache is None:
+            raise TypeError(
+                f"{caller}: {what} is a {type(value).__name__} that was not called on this batch, so it has no "
+                "per-batch value. Call it (metric(preds, target)) before logging it, or log a tensor."
+            )
         value = value._forward_cache
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach())

@@ -7,6 +7,8 @@ Both CSV files are read with numpy from the package directory without importing 
 installed ``--no-deps``; importing ``sklearn`` costs a second). Pixels are scaled to [0, 1], then standardized with
 the *training* split's mean and std, and shaped ``[1, H, W]``. Batches: ``{"pixel_values": Float[B,1,H,W],
 "labels": Long[B]}``. Split rule: stratified by class with a seeded permutation per class (same on every process).
+MNIST-5k is stored sorted by class; the validation loader reads it in a fixed seeded order
+(:class:`~lightning_hetero.data.base.FixedOrderSampler`), so its first batches hold every class.
 """
 
 from __future__ import annotations
