@@ -330,6 +330,7 @@ def test_a_valid_payload_with_one_corrupted_byte_keeps_the_rule(name, values, po
     )
 
 
+@pytest.mark.parametrize("name", ["demo", "topk"])
 @pytest.mark.parametrize("combine", ["mean", "pickers"])
 @pytest.mark.parametrize("values", ["fp32", "sign", "ternary"])
 @FUZZ
@@ -339,15 +340,32 @@ def test_a_valid_payload_with_one_corrupted_byte_keeps_the_rule(name, values, po
     negative=st.booleans(),
     column=st.integers(0, 7),
 )
-def test_values_finite_alone_but_huge_combined_keep_the_rule(combine, values, replicas, magnitude, negative, column):
+def test_values_finite_alone_but_huge_combined_keep_the_rule(
+    name, combine, values, replicas, magnitude, negative, column
+):
     """Every replica but one sends bounded coefficients in one DCT column: the combination must stay bounded too."""
-    replicator = build_replicator("demo", 1 / 8, chunk=8, values=values, combine=combine)
+    replicator = build_replicator(name, 1 / 8, chunk=8, values=values, combine=combine)
     piece = replicator.encode(0, torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
     big = _wire(torch.arange(column, 64, 8), torch.full((1, 8), -magnitude if negative else magnitude), values)
     per_rank = [piece.wire] + [big] * (replicas - 1)
     assert_decoder_rule(lambda: replicator.decode_gathered(piece, per_rank), check_layout=_layout((8, 8)))
     replicator.set_bad_payload_policy("drop")
     assert_decoder_rule(lambda: replicator._decode_gathered_or_drop(piece, per_rank), check_layout=_layout((8, 8)))
+
+
+@pytest.mark.parametrize("name", ["random", "striding", "full"])
+@pytest.mark.parametrize("values", ["sign", "ternary"])
+@FUZZ
+@given(replicas=st.integers(2, 4), magnitude=st.floats(2.0**40, MAX_PEER_MAGNITUDE), negative=st.booleans())
+def test_dense_gathered_values_finite_alone_but_huge_combined_keep_the_rule(
+    name, values, replicas, magnitude, negative
+):
+    replicator = build_replicator(name, 1 / 4, values=values)
+    piece = replicator.encode(0, torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    slots = piece.meta["slots"]
+    big = pack_values(torch.full((1, slots), -magnitude if negative else magnitude), values)
+    per_rank = [piece.wire] + [big] * (replicas - 1)
+    assert_decoder_rule(lambda: replicator.decode_gathered(piece, per_rank), check_layout=_layout((4, 8)))
 
 
 @pytest.mark.parametrize("name", ["random", "striding", "full"])
