@@ -27,6 +27,7 @@ from lightning_hetero.comm.ledger import ByteLedger, validate_label
 __all__ = ["FSDP2Coverage", "count_fsdp2"]
 
 _DEFAULT_COMMS = ("DefaultAllGather", "DefaultReduceScatter")  # FSDP's own: safe to replace
+_OURS = (CountedFSDPAllGather, CountedFSDPReduceScatter)
 
 
 @dataclass
@@ -73,10 +74,13 @@ def count_fsdp2(model: nn.Module, label: str, ledger: ByteLedger | None = None) 
         if comms is None:
             coverage.uncounted[name] = "this torch version does not expose FSDP2's comm objects"
             continue
-        if not comms or all(isinstance(c, (CountedFSDPAllGather, CountedFSDPReduceScatter)) for c in comms):
+        if not comms or all(isinstance(c, _OURS) for c in comms):
             coverage.counted.append(name)  # nothing to count (no parameters of its own) or counted already
             continue
-        foreign = [type(c).__name__ for c in comms if type(c).__name__ not in _DEFAULT_COMMS]
+        ours = (CountedFSDPAllGather, CountedFSDPReduceScatter)
+        foreign = [
+            type(c).__name__ for c in comms if not isinstance(c, ours) and type(c).__name__ not in _DEFAULT_COMMS
+        ]
         if foreign:
             coverage.uncounted[name] = f"custom FSDP comms already installed ({', '.join(foreign)})"
             continue

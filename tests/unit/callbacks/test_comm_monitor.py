@@ -179,6 +179,7 @@ def test_setup_traffic_is_its_own_figure_and_total_is_the_sum_of_steps(tmp_path:
     # validation after step 1 is neither setup nor a step
     assert _logged_rows(trainer, "comm/inter/bytes_sent_between_steps") == [(0, 0), (1, 0), (2, 300), (3, 300)]
     assert monitor.totals(INTER) == LedgerTotals(sent=4000, received=2000, calls=4)
+    assert monitor.coverage == ""  # a single process: nothing crosses a process boundary, no note
     # the ledger itself keeps setup traffic out of step 0's bucket
     assert get_ledger().step_totals(SETUP_STEP)[INTER] == LedgerTotals(sent=5300, received=300, calls=2)
     assert get_ledger().step_totals(0)[INTER] == LedgerTotals(sent=1000, received=500, calls=1)
