@@ -81,7 +81,13 @@ class PipelineStateMixin:
     def gather_stage_states(self) -> list[dict[str, Tensor]] | None:
         """Every stage's ``state_dict`` (replica 0's), in stage order, on global rank 0; None elsewhere (collective)."""
         state = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
-        return gather_stage_states(state, self.layout, self._groups.rank, self.stage_device)
+        # Rank 0 bounds every announced stage size by what this model's stages can hold, before allocating.
+        bound = (
+            ckpt.stage_bytes_limit(self.container.config)
+            if self._groups.rank == 0 and self.container is not None
+            else None
+        )
+        return gather_stage_states(state, self.layout, self._groups.rank, self.stage_device, max_bytes=bound)
 
     def export_dense(self, path: str, tokenizer: Any | None = None) -> str | None:
         """Write the whole pipeline as one plain HF checkpoint at ``path`` (collective; rank 0 writes).
