@@ -403,10 +403,15 @@ class ActivationLink:
         Keeps one receive posted (header, then payload) while fewer than ``limit`` messages have arrived in all (so
         nothing is left posted once the sender is done). ``block=True`` waits until at least one message completes.
         ``expect(step)`` gives ``(batch_size, sample_shape)`` of this stage's batch of ``step`` when it still has it
-        (see :meth:`check_header`). Messages with bad values raise, or are left out under ``on_bad_payload="drop"``
-        (they still count as received).
+        (see :meth:`check_header`); ``expect(limit - 1)``, the batch this stage is on, is recorded with
+        :meth:`allow_layout` on every call, so a message whose batch is no longer kept is bounded by layouts this stage
+        has read. Messages with bad values raise, or are left out under ``on_bad_payload="drop"`` (they still count
+        as received).
         """
         done: list[tuple[int, Tensor]] = []
+        current = expect(limit - 1) if expect is not None and limit > 0 else None
+        if current is not None:  # the batch this stage is on: every step's layout bounds later, stale messages
+            self.allow_layout(*current)
         while True:
             if self._in_flight is None:
                 if self.messages_received >= limit:
@@ -422,9 +427,6 @@ class ActivationLink:
             if "wire" not in state:  # the header arrived: check it, then post the payload
                 known = None
                 if expect is not None:
-                    current = expect(limit - 1) if limit > 0 else None  # the batch this stage is on: its own layout
-                    if current is not None:
-                        self.allow_layout(*current)
                     announced = int(state["header"][0])
                     # Only a step a message can carry is looked up (check_header refuses the others).
                     known = expect(announced) if 0 <= announced <= self.messages_received else None
