@@ -2,7 +2,8 @@
 
 ``lightning-hetero fit --config configs/quickstart.yaml`` (or ``python -m lightning_hetero fit ...``) is
 ``LightningCLI`` in subclass mode: the YAML picks any ``LightningModule`` / ``LightningDataModule`` by ``class_path``
-(ours resolve by short name too, e.g. ``class_path: CausalLMModule``), and ``trainer.strategy`` may be one of our
+(ours resolve by short name too, e.g. ``class_path: CausalLMModule``; strategies likewise,
+``class_path: MatFormerStrategy`` with ``init_args``), and ``trainer.strategy`` may be one of our
 registered names because importing :mod:`lightning_hetero` registers them before the Trainer is built.
 
 It takes a user's code as a stock ``LightningCLI`` script does: ``data`` is optional (a module with its own
@@ -22,6 +23,13 @@ import lightning_hetero  # noqa: F401  (registers strategy names)
 import lightning_hetero.callbacks  # noqa: F401  (short names for callbacks in YAML)
 import lightning_hetero.data  # noqa: F401  (short names for data modules in YAML)
 import lightning_hetero.models  # noqa: F401  (short names for modules in YAML)
+from lightning_hetero import (  # noqa: F401  (short class names for strategies: ``class_path: MatFormerStrategy``)
+    FlexDeMoStrategy,
+    LayerwiseStrategy,
+    MatFormerStrategy,
+    SparseFlipStrategy,
+    SubspacePipelineStrategy,
+)
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:

@@ -188,3 +188,20 @@ def test_module_file_in_working_directory_is_importable_only_once_on_sys_path(tm
     cli.put_working_directory_on_path()
     cli.put_working_directory_on_path()
     assert sys.path[0] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["FlexDeMoStrategy", "MatFormerStrategy", "SubspacePipelineStrategy", "SparseFlipStrategy", "LayerwiseStrategy"],
+)
+def test_our_strategies_resolve_by_short_class_name(name, tmp_path, monkeypatch):
+    """``class_path: MatFormerStrategy`` (with init_args) works like ``class_path: CSVLogger`` does for Lightning's."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "strategy.yaml"
+    config.write_text(
+        f"model: {USER_MODULE}\n"
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n"  # nothing is launched before fit
+        f"  strategy:\n    class_path: {name}\n    init_args:\n      on_bad_payload: raise\n"
+    )
+    cli = build_cli(["--config", str(config)], run=False)
+    assert type(cli.trainer.strategy).__name__ == name
