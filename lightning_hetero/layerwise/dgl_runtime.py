@@ -39,6 +39,7 @@ from lightning_hetero import comm
 from lightning_hetero.core import StrategyRuntime, WorldLayout, average_gradients, broadcast_module_state
 from lightning_hetero.layerwise.decoupled import ActivationLink, bad_payload_policy, batch_signature
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
+from lightning_hetero.layerwise.loss_report import ModelLossReport
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer, check_capacity
 from lightning_hetero.subspace.pipeline import PipelineGroups, PipelineLayout
 
@@ -128,6 +129,8 @@ class DecoupledRuntime(StrategyRuntime):
         self.last_staleness = 0
         """``step - producing step`` of the activations the last training step used (0 in synchronous mode)."""
         self._head_checked = False
+        self.loss_report = ModelLossReport(None, None, torch.device("cpu"))
+        """The last stage's loss on global rank 0 (see :mod:`~lightning_hetero.layerwise.loss_report`)."""
 
     # ------------------------------------------------------------------------------------------------ topology
     @property
@@ -189,6 +192,12 @@ class DecoupledRuntime(StrategyRuntime):
         """Replace the model inside ``module`` by this rank's stage (idempotent; collective with replicas)."""
         if self.groups is None:
             self.groups = PipelineGroups(self.layout, global_rank)
+            sender, receiver = self.layout.global_rank(self.num_stages - 1, 0), self.layout.global_rank(0, 0)
+            role, peer = None, None
+            if self.num_stages > 1 and global_rank in (sender, receiver):
+                role, peer = ("send", receiver) if global_rank == sender else ("receive", sender)
+            lag = (self.num_stages - 1) * (self.max_in_flight + 1)  # how far stage 0 can run ahead anyway
+            self.loss_report = ModelLossReport(role, peer, device, lag, window=lag + self.replay_capacity + 1)
         existing = find_dgl_stage(module)
         if existing is not None:
             if existing.num_stages != self.num_stages:
@@ -279,7 +288,16 @@ class DecoupledRuntime(StrategyRuntime):
         loss.backward()
         self.sync_data_parallel_gradients()
         self.steps += 1
+        if self.is_last:
+            self.loss_report.send(loss.detach(), self.steps - 1)
+        self.loss_report.poll(self.steps)
         return loss.detach()
+
+    @property
+    def model_loss(self) -> float | None:
+        """The model's training loss as known here: the last stage's own; on global rank 0 the newest one the last
+        stage has sent (it lags by the steps in flight); None elsewhere and before the first one arrives."""
+        return self.loss_report.value
 
     def sync_data_parallel_gradients(self) -> None:
         """Average this stage's gradients over its replicas (one all-reduce per dtype)."""
@@ -301,6 +319,7 @@ class DecoupledRuntime(StrategyRuntime):
             device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
             for produced, activations in link.drain_until(self.steps, device, self._dtype(), self._expect_step):
                 self.buffer.push(produced, activations)
+        self.loss_report.flush(self.steps)
 
     @torch.no_grad()
     def _eval_hidden(self, batch: Mapping[str, Any]) -> Tensor:
@@ -395,6 +414,7 @@ class DecoupledRuntime(StrategyRuntime):
             link.messages_sent = link.messages_received = self.steps if link.tag == TRAIN_TAG else 0
         self.buffer.clear()
         self.ring.clear()
+        self.loss_report.reset(self.steps)
 
     def checkpoint_part(self, global_rank: int) -> str | None:
         return f"stage_{self.stage_index}" if self.layout.dp_rank_of(global_rank) == 0 else None

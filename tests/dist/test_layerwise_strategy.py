@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_hetero import comm
 from lightning_hetero.layerwise.decoupled import header_bytes
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.layerwise.loss_report import LOSS_LABEL
 from lightning_hetero.testing import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS = 64, 32, 12, 8, 3
@@ -82,6 +83,7 @@ def _train_worker(rank: int, world_size: int, kind: str, options: dict[str, Any]
         totals = ledger.step_totals(step).get(comm.PIPELINE, comm.LedgerTotals())
         step_bytes.append((totals.sent, totals.received))
     intra = ledger.totals(comm.INTRA).sent
+    loss_report = ledger.totals(LOSS_LABEL)
     ledger.set_step(steps)
     val = runtime.eval_step(_batches(kind, 1, seed=99)[0]).item()
     return {
@@ -90,6 +92,8 @@ def _train_worker(rank: int, world_size: int, kind: str, options: dict[str, Any]
         "state": {k: v.clone() for k, v in runtime.stage.state_dict().items()},
         "bytes": step_bytes,
         "intra": intra,
+        "loss_report": (loss_report.sent, loss_report.received),
+        "model_loss": runtime.model_loss,
         "staleness": staleness,
         "buffer": runtime.buffer.stats(),
         "val": val,
@@ -144,6 +148,9 @@ def test_sync_dgl_equals_one_process_and_counts_bytes(kind: str) -> None:
     assert first["bytes"] == [(payload + header_bytes(), 0)] + [(payload, 0)] * (STEPS - 1)
     assert second["bytes"] == [(0, payload + header_bytes())] + [(0, payload)] * (STEPS - 1)
     assert first["val"] == second["val"] and first["val"] > 0
+    # the last stage's loss goes to rank 0 (its progress bar), 16 bytes a step, counted as a metric
+    assert second["loss_report"] == (16 * STEPS, 0) and first["loss_report"] == (0, 16 * STEPS)
+    assert first["model_loss"] == second["model_loss"] == second["losses"][-1]
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@
   ``find_unused_parameters``) on 2 spawned gloo ranks: every stage trains, the ranks stay identical (auxiliary heads
   included), and the export loads with ``from_pretrained``.
 - ``LayerwiseStrategy`` (DGL, ``strategy: layerwise``) on a user module on 2 ranks with ``export_dir``: the export
-  loads with ``from_pretrained`` and gives the logits of the trained stages.
+  loads with ``from_pretrained`` and gives the logits of the trained stages; rank 0's progress bar shows the model's
+  loss (the last stage's) as ``train/model_loss``, its own auxiliary loss only as ``train/stage0_loss``.
 - ``SparseFlipStrategy`` on ``UserCNN`` (2 ranks): next to Lightning's model summary, whose "Total params" counts
   parameters only, rank 0 prints how many low-bit weights (int8 code buffers) the model has.
 
@@ -105,25 +106,45 @@ def test_greedy_layerwise_under_default_ddp_on_two_ranks(tmp_path: Path) -> None
     assert exported(**batch).logits.isfinite().all()
 
 
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
 def _dgl_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = UserLlama(train_items=32, batch_size=4)
+    losses = _Losses()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=LayerwiseStrategy(num_stages=2, export_dir=str(out / "dgl")),
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[losses],
     )  # fmt: skip
     trainer.fit(module)
     batch = {"input_ids": Progressions(4, seed=5).ids}
     logits = trainer.strategy.runtime.predict(batch)  # forward through the trained stages (collective)
-    return {"logits": logits, "bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()}}
+    return {
+        "logits": logits,
+        "bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+        "losses": losses.losses,
+        "model_loss": trainer.strategy.runtime.model_loss,
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dgl_layerwise_on_a_user_module_exports_the_trained_model(tmp_path: Path) -> None:
     results = run_distributed(_dgl_worker, 2, tmp_path, timeout=500)
-    assert results[0]["logits"] is None and results[1]["logits"] is not None
+    first, last = results
+    # rank 0's progress bar: its own (auxiliary) loss under the stage's name, and the model's, the last stage's
+    assert "train/loss" not in first["bar"] and first["bar"]["train/stage0_loss"] == first["losses"][-1]
+    assert first["bar"]["train/model_loss"] in last["losses"]  # the newest that had arrived (it may lag)
+    assert first["model_loss"] == last["losses"][-1]  # all of them have arrived by the end of fit
+    assert last["bar"]["train/model_loss"] == last["losses"][-1]
+    assert first["logits"] is None and last["logits"] is not None
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "dgl").eval()

@@ -88,6 +88,12 @@ class LayerwiseStrategy(PipelineFabricStrategy):
         self.barrier()
         return result
 
+    @property
+    def model_loss(self) -> float | None:
+        """The model's training loss: the last stage's own; on global rank 0 the newest one the last stage has sent
+        (it lags by the steps in flight); None elsewhere."""
+        return self.runtime.model_loss
+
     def flush(self) -> None:
         """Finish the activations in flight (call at the end of training; evaluation and saving do it)."""
         self.runtime.flush()

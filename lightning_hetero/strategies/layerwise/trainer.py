@@ -8,8 +8,11 @@ loss, and sends its detached output to the next stage; nothing travels backwards
 - ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against ``num_stages * data_parallel_size``.
 - ``setup``: the model inside the module is replaced by this rank's stage (block + local head; the stem on stage 0)
   before the optimizers, so ``configure_optimizers`` sees only the stage's parameters.
-- ``training_step``: the stage's DGL step (input, block, send, local loss, backward); ``train/loss`` is this stage's
-  own loss (an auxiliary loss before the last stage, the model's loss on it), logged without any collective. The
+- ``training_step``: the stage's DGL step (input, block, send, local loss, backward); ``train/loss`` and
+  ``train/stage<s>_loss`` are this stage's own loss (an auxiliary loss before the last stage, the model's loss on
+  it), logged without any collective. The progress bar (global rank 0, stage 0) shows ``train/stage0_loss`` and
+  ``train/model_loss``: the last stage's loss, sent to rank 0 each step without blocking either side, so it lags by
+  the steps in flight (:mod:`~lightning_hetero.layerwise.loss_report`). The
   gradients are put aside and back around Lightning's ``zero_grad``, as in the subspace pipeline strategy.
 - ``validation_step``/``test_step``: a forward-only pass through every stage; ``val/loss`` (the model's loss,
   broadcast from the last stage) on every rank.
@@ -88,6 +91,12 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
         super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
         self.export_dir = None if export_dir is None else str(export_dir)
 
+    @override
+    def teardown(self) -> None:
+        if getattr(self, "_interrupted", False):
+            self.runtime.loss_report.abandon()  # the last stage may be gone: wait for none of its loss messages
+        super().teardown()
+
     def export(self, path: str | Path) -> str | None:
         """Write the whole trained model to ``path`` (collective: call on every rank; rank 0 writes and gets
         ``path``, the others None). See :meth:`DecoupledRuntime.export`."""
@@ -128,8 +137,14 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
 
     @override
     def _log_training(self, module: L.LightningModule, loss: Tensor, batch: Any) -> None:
-        super()._log_training(module, loss, batch)
         size = self._batch_size(batch)
-        module.log(f"train/stage{self.stage_index}_loss", loss, on_step=True, on_epoch=False, batch_size=size)
+        # An auxiliary loss must not pass for the model's on the progress bar: it shows this stage's loss under the
+        # stage's name and the model's loss (the last stage's) under its own.
+        module.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=size)
+        own = f"train/stage{self.stage_index}_loss"
+        module.log(own, loss, prog_bar=not self.runtime.is_last, on_step=True, on_epoch=False, batch_size=size)
+        model_loss = self.runtime.model_loss
+        if model_loss is not None:
+            module.log("train/model_loss", model_loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
         if self.runtime.mode == "async":
             module.log("train/staleness", float(self.runtime.last_staleness), on_step=True, batch_size=size)
