@@ -133,6 +133,7 @@ class GreedyLayerwise(Callback):
 
         def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
             stages = self._build(pl_module)
+            batch = stages.stack.as_batch(batch)  # a plain module's (x, y) pair works too
             loss = stages.stage_loss(batch)
             pl_module.log("layerwise/loss", loss, prog_bar=True, batch_size=_rows(batch))
             pl_module.log("layerwise/stage", float(stages.stage), batch_size=_rows(batch))

@@ -279,6 +279,7 @@ class DecoupledRuntime(StrategyRuntime):
         Gradients are added to ``.grad`` of this stage's parameters. Returns this stage's local loss (detached): the
         auxiliary loss, or the model's loss on the last stage. No collective over the pipeline.
         """
+        batch = self._stack.as_batch(batch)
         x, used_batch, produced = self._input(batch)
         self.last_staleness = self.steps - produced
         hidden = self._features(x, used_batch)
@@ -339,6 +340,7 @@ class DecoupledRuntime(StrategyRuntime):
     @torch.no_grad()
     def eval_step(self, batch: Mapping[str, Any]) -> Tensor:
         """Forward through the whole pipeline (no training); the model's loss on every rank (broadcast)."""
+        batch = self._stack.as_batch(batch)
         hidden = self._eval_hidden(batch)
         value = torch.zeros(1, dtype=torch.float32, device=hidden.device)
         if self.is_last:
@@ -351,7 +353,7 @@ class DecoupledRuntime(StrategyRuntime):
     @torch.no_grad()
     def predict(self, batch: Mapping[str, Any]) -> Tensor | None:
         """Forward through the whole pipeline; the model's logits on the last stage, None on the others."""
-        hidden = self._eval_hidden(batch)
+        hidden = self._eval_hidden(self._stack.as_batch(batch))
         return self.stage.head(hidden) if self.is_last else None
 
     def export(self, path: str | Path) -> str | None:

@@ -138,6 +138,7 @@ class GreedyStages:
     # ------------------------------------------------------------------------------------------------ forward
     def sample_keys(self, batch: Mapping[str, Any]) -> list[str]:
         """Cache keys of the batch's samples: ``batch[index_key]`` when present, else content hashes."""
+        batch = self.stack.as_batch(batch)
         if self.index_key in batch:
             return [f"i{int(index)}" for index in torch.as_tensor(batch[self.index_key]).reshape(-1).tolist()]
         return content_keys(self.stack.model_inputs(batch))
@@ -146,6 +147,7 @@ class GreedyStages:
         """Block ``stage``'s input for the batch: the stem's output (with grad) on stage 0, else the frozen prefix's
         output (no grad), from the cache where it holds the whole batch."""
         stack, stage = self.stack, self.stage
+        batch = stack.as_batch(batch)
         if stage == 0:
             return stack.embed(batch)
         context = stack.context_of(batch) if context is None else context
@@ -170,12 +172,15 @@ class GreedyStages:
 
     def stage_logits(self, batch: Mapping[str, Any]) -> Tensor:
         """Logits of the current stage's head on the current block's output."""
+        batch = self.stack.as_batch(batch)
         context = self.stack.context_of(batch)
         hidden = self.stack.blocks[self.stage](self.stage_input(batch, context), context)
         return self.head(self.stage)(hidden)
 
     def stage_loss(self, batch: Mapping[str, Any]) -> Tensor:
-        """The current stage's training loss (cross-entropy of its head against ``batch["labels"]``)."""
+        """The current stage's training loss (cross-entropy of its head against ``batch["labels"]``; an
+        ``(inputs, labels)`` pair works too)."""
+        batch = self.stack.as_batch(batch)
         return self.stack.loss(self.stage_logits(batch), batch)
 
     # ------------------------------------------------------------------------------------------------ export

@@ -4,6 +4,8 @@
 A :class:`BlockStack` holds *references* to the model's own modules (nothing is copied, so training a block trains
 the model):
 
+- ``stack.as_batch(batch)``: a batch as the dict the other methods read (an ``(inputs, labels)`` pair becomes
+  ``{"pixel_values" | "input_ids": inputs, "labels": labels}``).
 - ``stack.embed(batch) -> hidden``: the stem on a batch dict (``pixel_values`` for images; ``input_ids`` for text);
   ``stack.stem`` is the module that owns the stem's parameters.
 - ``stack.blocks``: ``nn.ModuleList``; ``stack.blocks[j](hidden, context) -> hidden``.
@@ -156,6 +158,25 @@ class BlockStack:
         return next(p for p in self.blocks.parameters() if p.is_floating_point()).dtype
 
     # ------------------------------------------------------------------------------------------------ forward
+    def as_batch(self, batch: Any) -> Mapping[str, Any]:
+        """``batch`` as the dict the stack reads: a mapping as it is; an ``(inputs, labels)`` pair (a plain
+        LightningModule's ``(x, y)``) as ``{"pixel_values": x, "labels": y}`` (``"input_ids"`` for a causal LM).
+
+        Raises:
+            ValueError: anything else, naming what the stack reads.
+        """
+        if isinstance(batch, Mapping):
+            return batch
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(v, Tensor) for v in batch):
+            key = "pixel_values" if self.task == "classification" else "input_ids"
+            return {key: batch[0], "labels": batch[1]}
+        kind = type(batch).__name__ + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        key = "pixel_values" if self.task == "classification" else "input_ids"
+        raise ValueError(
+            f"layerwise training reads a batch as a dict ({key!r} and 'labels', as HF models take them) or an "
+            f"(inputs, labels) pair of tensors, but got a {kind}. Make the data loader yield one of these."
+        )
+
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
         """The entries of ``batch`` the stem and :meth:`context_of` read (also what a content cache key hashes)."""
         keys = ("pixel_values",) if self.task == "classification" else ("input_ids", "attention_mask")

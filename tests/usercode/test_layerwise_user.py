@@ -6,6 +6,7 @@
 - ``LayerwiseStrategy`` (DGL, ``strategy: layerwise``) on a user module on 2 ranks with ``export_dir``: the export
   loads with ``from_pretrained`` and gives the logits of the trained stages; rank 0's progress bar shows the model's
   loss (the last stage's) as ``train/model_loss``, its own auxiliary loss only as ``train/stage0_loss``.
+- both on a user CNN whose loaders yield ``(x, y)`` tuples (not HF dicts), 2 ranks each.
 - ``SparseFlipStrategy`` on ``UserCNN`` (2 ranks): next to Lightning's model summary, whose "Total params" counts
   parameters only, rank 0 prints how many low-bit weights (int8 code buffers) the model has.
 
@@ -187,3 +188,52 @@ def test_sparseflip_reports_the_low_bit_weights_next_to_the_model_summary() -> N
     assert len(report) == 1, first["lines"]  # printed once (during setup, so before the summary's table)
     assert f"counts the {first['summary_total']:,} fp parameters" in report[0]
     assert not any("low-bit weights" in line for line in second["lines"])  # rank 0 only
+
+
+class UserTwoConvCNN(UserCNN):
+    """``UserCNN`` with two conv stages (so there are two blocks to train layerwise); ``(x, y)`` tuple batches."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+            nn.Flatten(), nn.Linear(8 * 8 * 8, 4),
+        )  # fmt: skip
+
+
+def _tuple_batches_worker(rank: int, world_size: int) -> dict[str, Any]:
+    common = dict(
+        accelerator="cpu", devices=world_size, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1,
+    )  # fmt: skip
+    greedy = GreedyLayerwise(stage_steps=2)
+    record = _Record(greedy)
+    greedy_module = UserTwoConvCNN(train_items=64)
+    trainer = L.Trainer(strategy="ddp", callbacks=[greedy, record], **common)
+    trainer.fit(greedy_module)
+    greedy_val = float(trainer.callback_metrics["val_loss"])
+    dgl_module = UserTwoConvCNN(train_items=64)
+    losses = _Losses()
+    trainer = L.Trainer(strategy=LayerwiseStrategy(num_stages=2), callbacks=[losses], **common)
+    trainer.fit(dgl_module)
+    return {
+        "greedy_steps": record.steps,
+        "greedy_state": {k: v.detach().clone() for k, v in greedy_module.state_dict().items()},
+        "greedy_val": greedy_val,
+        "dgl_losses": losses.losses,
+        "dgl_val": float(trainer.callback_metrics["val/loss"]),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tuple_batches_train_layerwise_greedy_under_ddp_and_dgl() -> None:
+    first, second = run_distributed(_tuple_batches_worker, 2, timeout=500)
+    for result in (first, second):
+        assert [stage for stage, _ in result["greedy_steps"]] == [0, 0, 1, 1]
+        assert all(torch.isfinite(torch.tensor(loss)) for _, loss in result["greedy_steps"])
+        assert len(result["dgl_losses"]) == 4 and torch.isfinite(torch.tensor(result["dgl_losses"])).all()
+    for name, value in first["greedy_state"].items():
+        assert torch.equal(value, second["greedy_state"][name]), name
+    assert first["dgl_val"] == second["dgl_val"]
