@@ -127,7 +127,11 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
         optimizer.zero_grad()
     val = float(strategy.eval_step(batch))
     fabric.save(out / "ckpt", {"model": model, "optimizer": optimizer})
-    torch.save({"stage": strategy.stage_index, "losses": losses, "val": val}, out / f"rank{fabric.global_rank}.pt")
+    exported = strategy.export(out / "export")  # every rank calls it; rank 0 writes
+    logits = strategy.runtime.predict(batch)
+    record = {"stage": strategy.stage_index, "losses": losses, "val": val, "exported": exported, "logits": logits}
+    record["model_loss"] = strategy.model_loss
+    torch.save(record, out / f"rank{fabric.global_rank}.pt")
 
 
 @pytest.mark.slow
@@ -140,3 +144,11 @@ def test_fabric_trains_evaluates_and_saves(tmp_path: Path) -> None:
         assert record["losses"][-1] < record["losses"][0], record["losses"]
     assert records[0]["val"] == records[1]["val"]
     assert (tmp_path / "ckpt" / "meta.json").is_file() and (tmp_path / "ckpt" / "stage_1.pt").is_file()
+    assert records[0]["model_loss"] == records[1]["model_loss"] == records[1]["losses"][-1]  # rank 0 knows it too
+    # the export: one ordinary HF model, the tied embedding / LM head (two trained copies) written untied
+    assert records[0]["exported"] == str(tmp_path / "export") and records[1]["exported"] is None
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert not exported.config.tie_word_embeddings
+    with torch.no_grad():
+        logits = exported(input_ids=next(iter(TokenData().train_dataloader()))["input_ids"]).logits
+    torch.testing.assert_close(logits, records[1]["logits"], rtol=1e-5, atol=1e-5)
