@@ -186,6 +186,7 @@ class GreedyLayerwise(Callback):
         strategy.configure_ddp()  # Lightning's own wrapping: its DDP arguments and communication hooks apply
         self._ddp = (id(strategy.model), self.stages.stage)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.stages.aux_heads.to(self.stages.stack.device)  # built before the model moved (a resume): NCCL
             broadcast_module_state(self.stages.aux_heads, 0, label=comm.INTRA)
 
     def _aux_parameters_in_training(self, pl_module: pl.LightningModule) -> list[torch.nn.Parameter]:

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_hetero.callbacks import GreedyLayerwise
 from lightning_hetero.lowbit.layers import lowbit_layers
@@ -64,31 +65,46 @@ class UserLlamaWithTemperature(UserLlama):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def train_dataloader(self) -> DataLoader:
+        # the same batch every epoch: a resumed run sees the batches of the uninterrupted one whatever epoch
+        # Lightning counts a checkpoint taken at max_steps in
+        return DataLoader(Progressions(self.hparams.train_items, seed=0), batch_size=self.hparams.batch_size)
 
-def _greedy_ddp_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
-    L.seed_everything(rank, verbose=False)  # different RNG per rank: equal aux heads must not rely on the seed
+
+def _greedy_fit(out: Path, max_steps: int, save: Path | None = None, ckpt_path: Path | None = None) -> dict[str, Any]:
     greedy = GreedyLayerwise(stage_steps=3, export_dir=str(out / "export"))
     record = _Record(greedy)
-    module = UserLlamaWithTemperature(train_items=64, batch_size=4)
+    module = UserLlamaWithTemperature(train_items=8, batch_size=4)  # one batch an epoch on each of 2 ranks
+    torch.manual_seed(100 + torch.distributed.get_rank())  # the aux heads start different on every rank
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ddp", max_steps=6, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[greedy, record],
-        limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[greedy, record], limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)  # every rank calls it, rank 0 writes; at an epoch's end, so resume is exact
     return {
         "steps": record.steps,
-        "bar": {k: float(v) for k, v in record.bar.items()},
         "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "aux": record.aux,
+        "aux": getattr(record, "aux", None),
+        "aux_final": {k: v.detach().clone() for k, v in greedy.stages.aux_heads.state_dict().items()},
         "requires_grad": all(p.requires_grad for p in module.parameters()),
     }
+
+
+def _greedy_ddp_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    straight = _greedy_fit(out, 6)
+    checkpoint = out / "step4.ckpt"
+    _greedy_fit(out / "first", 4, save=checkpoint)
+    resumed = _greedy_fit(out / "resumed", 6, ckpt_path=checkpoint)  # in the middle of stage 1
+    return {"straight": straight, "resumed": resumed}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_greedy_layerwise_under_default_ddp_on_two_ranks(tmp_path: Path) -> None:
-    results = run_distributed(_greedy_ddp_worker, 2, tmp_path, timeout=500)
+    results = [result["straight"] for result in run_distributed(_greedy_ddp_worker, 2, tmp_path, timeout=500)]
     for result in results:
         assert [stage for stage, _ in result["steps"]] == [0, 0, 0, 1, 1, 1]
         assert result["requires_grad"]  # the model is an ordinary model again after fit
@@ -105,6 +121,18 @@ def test_greedy_layerwise_under_default_ddp_on_two_ranks(tmp_path: Path) -> None
         assert torch.equal(value, first["state"][f"model.{name}"]), name
     batch = {"input_ids": Progressions(4, seed=5).ids}
     assert exported(**batch).logits.isfinite().all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_greedy_layerwise_resumes_under_ddp_bit_for_bit(tmp_path: Path) -> None:
+    for result in run_distributed(_greedy_ddp_worker, 2, tmp_path, timeout=500):
+        straight, resumed = result["straight"], result["resumed"]
+        assert resumed["steps"] == straight["steps"][4:]  # same stages, same losses
+        for name, value in straight["state"].items():
+            assert torch.equal(value, resumed["state"][name]), name
+        for name, value in straight["aux_final"].items():
+            assert torch.equal(value, resumed["aux_final"][name]), name
 
 
 class _Losses(Callback):
