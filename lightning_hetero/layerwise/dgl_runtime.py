@@ -368,13 +368,19 @@ class DecoupledRuntime(StrategyRuntime):
         Returns:
             ``path`` on global rank 0, None elsewhere.
         """
-        from lightning_hetero.layerwise.export import merge_stage_states, save_model, stage_export_state
+        from lightning_hetero.layerwise.export import (
+            export_bytes_limit,
+            merge_stage_states,
+            save_model,
+            stage_export_state,
+        )
         from lightning_hetero.subspace.checkpoint import gather_stage_states
 
         self.flush()
         root = self._stack.root
         device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
-        states = gather_stage_states(stage_export_state(root), self.layout, self._groups.rank, device)
+        state, limit = stage_export_state(root), export_bytes_limit(root)  # every stage's share fits the model's
+        states = gather_stage_states(state, self.layout, self._groups.rank, device, max_bytes=limit)
         if states is None:
             return None
         save_model(root, merge_stage_states(states, root), path, untie=self.num_stages > 1)

@@ -19,10 +19,24 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["merge_stage_states", "save_model", "stage_export_state"]
+__all__ = ["export_bytes_limit", "merge_stage_states", "save_model", "stage_export_state"]
 
 STATE_FILE = "model.pt"
 """File name of a non-HF export (the model's ``state_dict``)."""
+
+_HEADER_BYTES_PER_TENSOR = 512  # a safetensors header entry: the name, dtype, shape and offsets as JSON
+
+
+def export_bytes_limit(root: nn.Module) -> int:
+    """The most bytes one stage's serialized share of ``root`` can take: the whole model's tensors (every element
+    counted at 4 bytes at least, so a stage in fp32 fits a bf16 layout) plus room for the safetensors header.
+
+    Rank 0 bounds what each stage announces by it before allocating anything (the peer-payload rule). ``root`` may
+    be a stage's hollow model: the tensors other stages hold are on the meta device but keep their shapes.
+    """
+    tensors = list(root.state_dict().values())
+    payload = sum(t.numel() * max(t.element_size(), 4) for t in tensors)
+    return payload + _HEADER_BYTES_PER_TENSOR * (len(tensors) + 8) + (1 << 20)
 
 
 def stage_export_state(root: nn.Module) -> dict[str, Tensor]:

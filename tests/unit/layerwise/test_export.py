@@ -13,7 +13,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification
 
 from lightning_hetero.layerwise.dgl_stage import build_dgl_stage
-from lightning_hetero.layerwise.export import STATE_FILE, merge_stage_states, save_model, stage_export_state
+from lightning_hetero.layerwise.export import (
+    STATE_FILE,
+    export_bytes_limit,
+    merge_stage_states,
+    save_model,
+    stage_export_state,
+)
 from tests.unit.layerwise.helpers import tiny_batch, tiny_model
 
 
@@ -81,3 +87,15 @@ def test_a_missing_stage_is_refused(tmp_path) -> None:
     root = stages[0][0].root
     with pytest.raises(ValueError, match="no stage holds"):
         merge_stage_states([stage_export_state(stack.root) for stack, _ in stages[:2]], root)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit", "cnn"])
+def test_every_stage_share_fits_the_bound_rank_0_puts_on_it(family: str) -> None:
+    from safetensors.torch import save
+
+    stages = _pipeline(family, 3)
+    whole = sum(v.numel() * v.element_size() for v in _Holder(family).model.state_dict().values())
+    for stack, _ in stages:
+        limit = export_bytes_limit(stack.root)  # what each stage's rank computes from its hollow model
+        share = len(save({k: v.contiguous() for k, v in stage_export_state(stack.root).items()}))
+        assert share <= limit < whole + (2 << 20)  # the whole model's size, not a machine's memory
