@@ -48,7 +48,6 @@ __all__ = [
     "Piece",
     "Replicator",
     "check_combined",
-    "check_peer_values",
     "kept_count",
     "validate_compression",
 ]
@@ -97,26 +96,6 @@ class Bucket:
     launched_at: float
     early: bool
     offsets: list[int]
-
-
-def check_peer_values(values: torch.Tensor, rank: int, key: int) -> None:
-    """Refuse non-finite values, or values above ``MAX_PEER_MAGNITUDE``, from replica ``rank`` for piece ``key``
-    (every replica sees the same bytes, so every replica raises the same error instead of applying them)."""
-    if not values.numel() or bool((values.abs() <= MAX_PEER_MAGNITUDE).all()):  # one sync; NaN compares False
-        return
-    if not bool(torch.isfinite(values).all()):
-        raise PeerPayloadError(
-            f"replica {rank} sent non-finite values for parameter piece {key}; refusing to apply them "
-            "(a diverged or corrupt peer: check its loss, or restart from the last checkpoint).",
-            rank,
-            "values",
-        )
-    raise PeerPayloadError(
-        f"replica {rank} sent values of magnitude {float(values.abs().max()):.3g} for parameter piece {key}, above the"
-        f" bound {MAX_PEER_MAGNITUDE:.3g} that no healthy run reaches; refusing to apply them.",
-        rank,
-        "values",
-    )
 
 
 def check_combined(combined: torch.Tensor, key: int, source: str, peer: int | None = None) -> None:
