@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 from lightning_hetero import comm
 from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, clip_grad_norm_over_group, process_rank_and_size
+from lightning_hetero.core.drift import check_replica_drift
 from lightning_hetero.flexdemo import checkpoint as ckpt
 from lightning_hetero.flexdemo.conversion import convert_optimizer
-from lightning_hetero.flexdemo.drift import check_replica_drift
 from lightning_hetero.flexdemo.optim import ReplicatingOptimizer
 from lightning_hetero.flexdemo.overlap import OverlapHooks
 from lightning_hetero.flexdemo.replicators import build_replicator
@@ -288,7 +288,14 @@ class FlexDeMoRuntime(StrategyRuntime):
     def check_drift(self) -> None:
         """Run the replica drift guard now (collective over the world)."""
         if self.module is not None:
-            check_replica_drift(list(self.module.named_parameters()), self.topology, self.steps)
+            check_replica_drift(
+                list(self.module.named_parameters()),
+                self.steps,
+                owner="FlexDeMo",
+                num_replicas=self.topology.num_replicas,
+                replicate_group=self.topology.replicate_group,
+                shard_size=self.topology.shard_size,
+            )
 
     @torch.no_grad()
     def clip_grad_norm_(

@@ -30,6 +30,7 @@ from lightning_hetero.core import (
     broadcast_module_state,
     process_rank_and_size,
 )
+from lightning_hetero.core.drift import check_replica_drift
 from lightning_hetero.lowbit.arguments import FLIP_RULES, NONFINITE_POLICIES, check_arguments
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
 from lightning_hetero.lowbit.flip import CodeLayout, move_allowed
@@ -160,7 +161,7 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
         self.k = 0
         self.steps = 0
         self._pending: tuple[Tensor, Tensor] | None = None
-        self._drift_topology: Any = None
+        self._drift_replicas = 0  # ranks that each hold a copy, set at setup when the drift guard is on
         self._metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------------ launch
@@ -215,9 +216,7 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             # The lists are small uint8 messages: under NCCL they travel over a gloo group on the CPU.
             group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
             if self.drift_check_every:
-                from lightning_hetero.flexdemo.topology import build_topology
-
-                self._drift_topology = build_topology(device, 1)  # every rank its own replica
+                self._drift_replicas = world_size  # every rank its own replica
         tau, density = self.tau, self.density
         if self.flip_rule == "local_bop":
             self.local_bop = LocalBop(layout.offsets, self.bop_gamma)
@@ -332,12 +331,10 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
 
     def check_drift(self) -> None:
         """Raise on every rank if any rank's codes or weights differ from rank 0's (collective)."""
-        if self._drift_topology is None or self.module is None:
+        if not self._drift_replicas or self.module is None:
             return
-        from lightning_hetero.flexdemo.drift import check_replica_drift
-
         named = [(name, t) for name, t in self.module.state_dict().items() if isinstance(t, Tensor)]
-        check_replica_drift(named, self._drift_topology, self.steps)
+        check_replica_drift(named, self.steps, owner=self.owner, num_replicas=self._drift_replicas)
 
     def set_sync_blocked(self, blocked: bool) -> None:
         """Accumulation micro-batches add to the code gradients; the exchange runs after the final backward."""

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero import comm
+from lightning_hetero.core.drift import ReplicaDriftError
 from lightning_hetero.flexdemo.checkpoint import load_local_module_state, local_module_state
-from lightning_hetero.flexdemo.drift import ReplicaDriftError
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.testing import run_distributed

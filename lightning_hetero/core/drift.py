@@ -5,18 +5,23 @@ divergence (a nondeterministic kernel, a rank that skipped a step, a bad checkpo
 several different models that merely share gradients. :func:`check_replica_drift` hashes the raw bits of each local
 shard into two int64 words, all-gathers them over the replicate group (ledger label ``"drift"``, 16 bytes per
 parameter), and then shares a two-int verdict over the world so that every rank raises the same error.
+
+The layout it assumes is the one every strategy here uses: ``rank = replica * shard_size + shard_position``, the
+replicate group of a rank holding the ranks at its shard position of every replica (``shard_size=1`` when every rank
+holds a whole copy, as in SparseFlip). Nothing here imports Lightning or a method package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_hetero import comm
-from lightning_hetero.flexdemo.sharding import local_tensor
-from lightning_hetero.flexdemo.topology import Topology
 
 __all__ = ["DRIFT_LABEL", "ReplicaDriftError", "check_replica_drift", "tensor_checksum"]
 
@@ -46,41 +51,56 @@ def tensor_checksum(tensor: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def check_replica_drift(named_params: Sequence[tuple[str, Tensor]], topology: Topology, step: int) -> None:
+def check_replica_drift(
+    named_params: Sequence[tuple[str, Tensor]],
+    step: int,
+    *,
+    owner: str,
+    num_replicas: int,
+    replicate_group: Any | None = None,
+    shard_size: int = 1,
+) -> None:
     """Raise :class:`ReplicaDriftError` on every rank if any replica's shard differs from the first replica's.
 
     Collective over the whole world (every rank must call it at the same step). Nothing happens with one replica.
 
+    Args:
+        named_params: This rank's ``(name, tensor)`` pairs, the same names in the same order on every rank; a DTensor
+            is compared by its local shard.
+        step: The optimizer step, for the message.
+        owner: Who runs the guard (``"FlexDeMo"``, ``"SparseFlip"``); the message starts with it.
+        num_replicas: Model copies in the world (``world_size // shard_size``).
+        replicate_group: The process group of this rank's replicas (None: the default group, for ``shard_size=1``).
+        shard_size: Ranks that shard one copy (consecutive global ranks).
+
     Raises:
         ReplicaDriftError: naming the step, the first differing parameter and the ranks that disagree.
     """
-    if topology.replicate_group is None:
+    if num_replicas <= 1 or not named_params:
         return
-    device = next((p.device for _, p in named_params), torch.device("cpu"))
-    sums = torch.stack([tensor_checksum(local_tensor(p)) for _, p in named_params]) if named_params else None
-    if sums is None:
-        return
-    replicas = topology.num_replicas
-    gathered = torch.empty((replicas * sums.shape[0], 2), dtype=sums.dtype, device=sums.device)
-    comm.all_gather_into_tensor(gathered, sums, group=topology.replicate_group, label=DRIFT_LABEL)
-    gathered = gathered.view(replicas, *sums.shape)
+    device = next(p.device for _, p in named_params)
+    sums = torch.stack([tensor_checksum(p.to_local() if isinstance(p, DTensor) else p) for _, p in named_params])
+    gathered = torch.empty((num_replicas * sums.shape[0], 2), dtype=sums.dtype, device=sums.device)
+    comm.all_gather_into_tensor(gathered, sums, group=replicate_group, label=DRIFT_LABEL)
+    gathered = gathered.view(num_replicas, *sums.shape)
     differs = (gathered != gathered[:1]).any(dim=-1)  # (replicas, params)
     bad_params = differs.any(dim=0).nonzero().flatten()
     first_bad = int(bad_params[0]) if bad_params.numel() else len(named_params)
-    bad_replicas = sum(1 << r for r in range(replicas) if bool(differs[r, first_bad])) if bad_params.numel() else 0
+    bad_replicas = sum(1 << r for r in range(num_replicas) if bool(differs[r, first_bad])) if bad_params.numel() else 0
     verdict = torch.tensor([first_bad, bad_replicas], dtype=torch.int64, device=device)
-    verdicts = torch.empty(topology.world_size * 2, dtype=torch.int64, device=device)
+    world_size = dist.get_world_size()
+    verdicts = torch.empty(world_size * 2, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(verdicts, verdict, label=DRIFT_LABEL)
-    verdicts = verdicts.view(topology.world_size, 2)
+    verdicts = verdicts.view(world_size, 2)
     failing = [(rank, int(v[0]), int(v[1])) for rank, v in enumerate(verdicts.cpu()) if int(v[0]) < len(named_params)]
     if not failing:
         return
     rank, index, mask = min(failing, key=lambda item: (item[1], item[0]))
-    shard = rank % topology.shard_size
+    shard = rank % shard_size
     reference = shard  # the first replica's rank at this shard position
-    disagreeing = [replica * topology.shard_size + shard for replica in range(replicas) if mask >> replica & 1]
+    disagreeing = [replica * shard_size + shard for replica in range(num_replicas) if mask >> replica & 1]
     raise ReplicaDriftError(
-        f"FlexDeMo replica drift at optimizer step {step}: parameter {named_params[index][0]!r} (the first that "
+        f"{owner} replica drift at optimizer step {step}: parameter {named_params[index][0]!r} (the first that "
         f"differs) on rank(s) {disagreeing} is not bit-identical to rank {reference} (first replica, shard position "
         f"{shard}); {len(failing)} rank(s) saw a mismatch. Replicas must apply identical updates: check for "
         "nondeterministic kernels, per-rank randomness in the optimizer, or a partial checkpoint load."
