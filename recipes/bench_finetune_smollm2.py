@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_environment()
     from bench_matformer_smollm2 import model_dir, prepare
     from matformer_smollm2_runs import _launch, _ranks, testbed_run
+    from operating_point import operating_point
 
     from lightning_hetero.comm import parse_bandwidth
-    from lightning_hetero.comm.operating_point import operating_point
 
     bits_per_second = parse_bandwidth(args.bandwidth)
     model_work = args.model_work.resolve()

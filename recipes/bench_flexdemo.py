@@ -53,9 +53,9 @@ sys.path.insert(0, str(REPO / "recipes"))
 from bench_flexdemo_report import codec_cost, markdown_table, plot, step_cost  # noqa: E402
 from flexdemo_variants import parse_variant, validate_variant  # noqa: E402
 from headline import run_metadata  # noqa: E402
+from operating_point import operating_point, physical_limit_ratio  # noqa: E402
 
 from lightning_hetero.comm import parse_bandwidth  # noqa: E402
-from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio  # noqa: E402
 from lightning_hetero.data import ShakespeareDataModule  # noqa: E402
 
 WORKER = REPO / "recipes" / "bench_worker.py"

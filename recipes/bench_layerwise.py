@@ -52,7 +52,7 @@ Split = tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], int]
 
 def image_data(quick: bool) -> Split:
     """MNIST-5k: (training tensors, test batches, classes)."""
-    from lightning_hetero.lowbit.experiments import load_dataset
+    from lowbit_experiments import load_dataset
 
     x_train, y_train, x_test, y_test = load_dataset("mnist", seed=0)
     if quick:

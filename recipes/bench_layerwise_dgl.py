@@ -16,7 +16,7 @@ the other keys of that file belong to ``recipes/bench_layerwise.py`` and are kep
   seeded batches, AdamW + warmup-cosine schedule, learning rates, steps and evaluation; compare with its
   ``"end_to_end"`` and ``"greedy"`` rows in the same file.
 - ``dgl["digits_cnn"]``: DGL accuracy on sklearn digits with the small CNN of
-  :mod:`lightning_hetero.lowbit.experiments` (2 stages, spawned gloo ranks; test accuracy of the last stage's
+  :mod:`lowbit_experiments` (2 stages, spawned gloo ranks; test accuracy of the last stage's
   classifier and of stage 0's auxiliary head), next to the same CNN trained end to end in one process with the same
   optimizer and epochs.
 
@@ -197,10 +197,10 @@ def accuracy_worker(rank: int, world_size: int, epochs: int, batch_size: int, tr
     """One rank of DGL on digits (CNN, 2 stages): train, then the test accuracy of its local head (stage 0) and of
     the whole model (last stage)."""
     import torch
+    from lowbit_experiments import build_model, load_dataset
     from torch import nn
 
     from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-    from lightning_hetero.lowbit.experiments import build_model, load_dataset
 
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_dataset("digits")
@@ -234,8 +234,7 @@ def accuracy_worker(rank: int, world_size: int, epochs: int, batch_size: int, tr
 def end_to_end_digits(epochs: int, batch_size: int, train_limit: int) -> float:
     """The same CNN, optimizer and epochs trained end to end in one process; test accuracy."""
     import torch
-
-    from lightning_hetero.lowbit.experiments import build_model, load_dataset
+    from lowbit_experiments import build_model, load_dataset
 
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_dataset("digits")

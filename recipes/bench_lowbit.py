@@ -7,7 +7,7 @@ packed matmul against the fp32 one. Writes ``docs/results/lowbit/results.json`` 
     python recipes/bench_lowbit.py --only bytes packing
 
 Parts (each a key of the JSON):
-- ``classifiers``: MLP and small CNN on MNIST-5k, one process (``lightning_hetero.lowbit.experiments``).
+- ``classifiers``: MLP and small CNN on MNIST-5k, one process (``recipes/lowbit_experiments.py``).
 - ``distributed``: the CNN flip-trained by the strategy's runtime on 2 and 4 spawned gloo ranks; accuracy and the
   largest per-rank bytes per step, next to what a DDP fp32 all-reduce of the same model sends per rank.
 - ``sweep``: the send threshold (``send_fraction``), the flip cap ``k`` and the seed's top-k rule, 2 ranks.
@@ -39,7 +39,7 @@ PARTS = ("classifiers", "distributed", "sweep", "vit", "llama", "bytes", "packin
 
 
 def classifiers(steps: int) -> list[dict[str, Any]]:
-    from lightning_hetero.lowbit.experiments import train_classifier
+    from lowbit_experiments import train_classifier
 
     rows = []
     for model in ("mlp", "cnn"):

@@ -65,9 +65,8 @@ def model_configs() -> dict[str, Any]:
 def measure_compute(config: Any, micro_batch: int, seq_len: int, steps: int) -> dict[str, Any]:
     """Median seconds of forward + backward + AdamW step on one thread, with the FLOPs of that step."""
     import torch
+    from operating_point import training_flops_per_step
     from transformers import AutoModelForCausalLM
-
-    from lightning_hetero.comm.operating_point import training_flops_per_step
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -107,7 +106,7 @@ def wire_overhead() -> float:
 
 def build_table(args: argparse.Namespace) -> dict[str, Any]:
     """Measured rows for the sizes that run here, projected rows for 1B and 8B, at every bandwidth."""
-    from lightning_hetero.comm.operating_point import (
+    from operating_point import (
         H100_BF16_FLOPS_AT_40_PCT_MFU,
         PROJECTION_MODELS,
         allreduce_link_bytes,

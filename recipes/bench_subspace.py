@@ -168,7 +168,7 @@ def compare_with_plain(results: dict[str, Any], stages: int) -> None:
     R = (plain's bytes per boundary and direction per step / bandwidth) / (plain's step time on unthrottled links),
     the latter an upper bound on its compute time (so R is a lower bound). Needs an unthrottled plain run.
     """
-    from lightning_hetero.comm.operating_point import operating_point, physical_limit_ratio
+    from operating_point import operating_point, physical_limit_ratio
 
     plain = {run["bandwidth"]: run for run in results["runs"] if run["variant"] == "plain"}
     for run in results["runs"]:

@@ -1,7 +1,7 @@
 """Spawned-rank measurements for ``recipes/bench_lowbit.py``: bytes per step, and distributed flip training.
 
 :func:`measure` gives the bytes per step of the ``sparseflip`` exchange next to a dense fp32 all-reduce.
-:func:`train_distributed` trains the small MNIST / digits classifiers of :mod:`lightning_hetero.lowbit.experiments`
+:func:`train_distributed` trains the small MNIST / digits classifiers of :mod:`lowbit_experiments`
 with the strategy's runtime on ``workers`` ranks (each rank its share of every batch) and reports test accuracy
 and bytes, so the sparse exchange's effect on accuracy can be compared with single-process flip training.
 
@@ -103,7 +103,8 @@ def _train_worker(rank: int, world: int, model_name: str, dataset: str, steps: i
     import math
     import time
 
-    from lightning_hetero.lowbit.experiments import build_model, load_dataset
+    from lowbit_experiments import build_model, load_dataset
+
     from lightning_hetero.lowbit.runtime import SparseFlipRuntime
 
     torch.set_num_threads(1)

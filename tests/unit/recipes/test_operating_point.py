@@ -1,10 +1,15 @@
-"""The operating point R and its projection helpers: exact arithmetic and clear errors."""
+"""The operating point R and its projection helpers (recipes/operating_point.py): exact arithmetic and clear errors."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from lightning_hetero.comm.operating_point import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+
+from operating_point import (  # noqa: E402
     PROJECTION_MODELS,
     ModelShape,
     allreduce_link_bytes,
