@@ -9,45 +9,27 @@ from :mod:`lightning_hetero.fabric`; both load on first access.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_hetero.strategies.registry import register_when_lightning_loads
+from lightning_hetero.strategies.registry import exported_classes, lazy_class, register_when_lightning_loads
 
-if TYPE_CHECKING:  # static analysis sees the classes; at run time they load on first access
-    from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
-    from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
-    from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
-    from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy
-    from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
+if TYPE_CHECKING:  # for type checkers (test_registry matches them to the table); at run time: on first access
+    from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy as FlexDeMoStrategy
+    from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy as LayerwiseStrategy
+    from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy as SparseFlipStrategy
+    from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy as MatFormerStrategy
+    from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy as SubspacePipelineStrategy
 
 __version__ = "0.1.0"
 
 register_when_lightning_loads()
 
-_TRAINER_STRATEGIES = {
-    "FlexDeMoStrategy": "lightning_hetero.strategies.flexdemo.trainer",
-    "LayerwiseStrategy": "lightning_hetero.strategies.layerwise.trainer",
-    "MatFormerStrategy": "lightning_hetero.strategies.matformer.trainer",
-    "SparseFlipStrategy": "lightning_hetero.strategies.lowbit.trainer",
-    "SubspacePipelineStrategy": "lightning_hetero.strategies.subspace.trainer",
-}
-
-__all__ = [
-    "FlexDeMoStrategy",
-    "LayerwiseStrategy",
-    "MatFormerStrategy",
-    "SparseFlipStrategy",
-    "SubspacePipelineStrategy",
-    "__version__",
-]
+__all__ = [*exported_classes(fabric=False), "__version__"]  # the table in strategies/registry.py
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TRAINER_STRATEGIES:
-        return getattr(importlib.import_module(_TRAINER_STRATEGIES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_class(name, fabric=False, owner=__name__)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_TRAINER_STRATEGIES])
+    return sorted([*globals(), *exported_classes(fabric=False)])

@@ -7,38 +7,23 @@ first access.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # static analysis sees the classes; at run time they load on first access
-    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
-    from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy
-    from lightning_hetero.strategies.lowbit.fabric import SparseFlipStrategy
-    from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy
-    from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy
+from lightning_hetero.strategies.registry import exported_classes, lazy_class
 
-_FABRIC_STRATEGIES = {
-    "FlexDeMoStrategy": "lightning_hetero.strategies.flexdemo.fabric",
-    "LayerwiseStrategy": "lightning_hetero.strategies.layerwise.fabric",
-    "MatFormerStrategy": "lightning_hetero.strategies.matformer.fabric",
-    "SparseFlipStrategy": "lightning_hetero.strategies.lowbit.fabric",
-    "SubspacePipelineStrategy": "lightning_hetero.strategies.subspace.fabric",
-}
+if TYPE_CHECKING:  # for type checkers (test_registry matches them to the table); at run time: on first access
+    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FlexDeMoStrategy
+    from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy as LayerwiseStrategy
+    from lightning_hetero.strategies.lowbit.fabric import SparseFlipStrategy as SparseFlipStrategy
+    from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy as MatFormerStrategy
+    from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as SubspacePipelineStrategy
 
-__all__ = [
-    "FlexDeMoStrategy",
-    "LayerwiseStrategy",
-    "MatFormerStrategy",
-    "SparseFlipStrategy",
-    "SubspacePipelineStrategy",
-]
+__all__ = list(exported_classes(fabric=True))  # the table in strategies/registry.py
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FABRIC_STRATEGIES:
-        return getattr(importlib.import_module(_FABRIC_STRATEGIES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_class(name, fabric=True, owner=__name__)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_FABRIC_STRATEGIES])
+    return sorted([*globals(), *exported_classes(fabric=True)])

@@ -9,8 +9,10 @@ post-import hook on ``lightning.pytorch.strategies`` and ``lightning.fabric.stra
 (re-importing, or importing under ``__main__`` and again under the package name, must not raise "already present in
 the registry"). The Trainer lower-cases string flags, so names must be lowercase.
 
-A strategy joins by appending a :class:`StrategySpec` to :data:`BUILTIN_STRATEGIES` with the import paths of its
-Trainer and Fabric classes. Users register their own classes with :func:`register_strategy`.
+A strategy joins by adding a :class:`StrategySpec` with the import paths of its Trainer and Fabric classes to
+``_STRATEGIES``: its ``_spawn`` alias, its registry names and the lazy attributes ``lightning_hetero.<Class>`` and
+``lightning_hetero.fabric.<Class>`` all follow from that one entry. Users register their own classes with
+:func:`register_strategy`.
 """
 
 from __future__ import annotations
@@ -40,78 +42,76 @@ class StrategySpec:
     """Keyword arguments bound to the name (e.g. ``{"start_method": "spawn"}`` for a ``*_spawn`` alias)."""
 
 
-#: Strategies shipped by this package. Each strategy appends its own spec(s) when it lands.
-BUILTIN_STRATEGIES: list[StrategySpec] = []
+def spawn_alias(spec: StrategySpec) -> StrategySpec:
+    """The ``<name>_spawn`` entry of ``spec``: the same classes with ``start_method="spawn"`` bound."""
+    return StrategySpec(
+        f"{spec.name}_spawn",
+        spec.trainer_class,
+        spec.fabric_class,
+        description=f"{spec.description} (start_method='spawn')",
+        init_params={**spec.init_params, "start_method": "spawn"},
+    )
 
-BUILTIN_STRATEGIES.extend(
-    [
-        StrategySpec(
-            "matformer",
-            "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
-            "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
-            description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
-        ),
-        StrategySpec(
-            "matformer_spawn",
-            "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
-            "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
-            description="Tiered MatFormer DDP with start_method='spawn'",
-            init_params={"start_method": "spawn"},
-        ),
-        StrategySpec(
-            "flexdemo",
-            "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
-            "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
-            description="FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes",
-        ),
-        StrategySpec(
-            "flexdemo_spawn",
-            "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
-            "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
-            description="FlexDeMo with start_method='spawn'",
-            init_params={"start_method": "spawn"},
-        ),
-        StrategySpec(
-            "subspace_pipeline",
-            "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
-            "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
-            description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
-        ),
-        StrategySpec(
-            "subspace_pipeline_spawn",
-            "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
-            "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
-            description="Subspace pipeline with start_method='spawn'",
-            init_params={"start_method": "spawn"},
-        ),
-        StrategySpec(
-            "sparseflip",
-            "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
-            "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
-            description="Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients",
-        ),
-        StrategySpec(
-            "sparseflip_spawn",
-            "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
-            "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
-            description="sparseflip with start_method='spawn'",
-            init_params={"start_method": "spawn"},
-        ),
-        StrategySpec(
-            "layerwise",
-            "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
-            "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
-            description="Decoupled greedy layerwise training (DGL): one block per stage, local losses, forward-only",
-        ),
-        StrategySpec(
-            "layerwise_spawn",
-            "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
-            "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
-            description="layerwise (DGL) with start_method='spawn'",
-            init_params={"start_method": "spawn"},
-        ),
-    ]
+
+_STRATEGIES = (
+    StrategySpec(
+        "matformer",
+        "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
+        "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
+        description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
+    ),
+    StrategySpec(
+        "flexdemo",
+        "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
+        "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
+        description="FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes",
+    ),
+    StrategySpec(
+        "subspace_pipeline",
+        "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
+        "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
+        description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
+    ),
+    StrategySpec(
+        "sparseflip",
+        "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
+        "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
+        description="Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients",
+    ),
+    StrategySpec(
+        "layerwise",
+        "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
+        "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
+        description="Decoupled greedy layerwise training (DGL): one block per stage, local losses, forward-only",
+    ),
 )
+
+BUILTIN_STRATEGIES: list[StrategySpec] = [entry for spec in _STRATEGIES for entry in (spec, spawn_alias(spec))]
+"""Strategies shipped by this package, each followed by its ``_spawn`` alias: the one table that the registries,
+``lightning_hetero.<Class>`` and ``lightning_hetero.fabric.<Class>`` are built from."""
+
+
+def exported_classes(fabric: bool) -> dict[str, str]:
+    """Class name -> module of every built-in Trainer (or Fabric) strategy class, for the packages' lazy attributes."""
+    classes: dict[str, str] = {}
+    for spec in BUILTIN_STRATEGIES:
+        path = spec.fabric_class if fabric else spec.trainer_class
+        if path:
+            module, _, name = path.partition(":")
+            classes.setdefault(name, module)
+    return classes
+
+
+def lazy_class(name: str, fabric: bool, owner: str) -> type:
+    """The built-in strategy class ``name`` (imported now), for a package ``__getattr__``.
+
+    Raises:
+        AttributeError: ``name`` is no built-in strategy class of that kind (as a missing module attribute would).
+    """
+    module = exported_classes(fabric).get(name)
+    if module is None:
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 TRAINER_REGISTRY_MODULE = "lightning.pytorch.strategies"

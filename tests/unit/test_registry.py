@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
@@ -120,3 +122,66 @@ def test_package_import_is_idempotent():
     importlib.reload(lightning_hetero)
     for spec in registry_module.BUILTIN_STRATEGIES:
         assert spec.name in StrategyRegistry or spec.name in FABRIC_REGISTRY
+
+
+# ---------------------------------------------------------------------------------------------------- one table
+def test_package_attributes_come_from_the_one_table():
+    """``lightning_hetero.<Class>`` and ``lightning_hetero.fabric.<Class>`` are the classes of BUILTIN_STRATEGIES."""
+    import lightning_hetero.fabric as fabric
+
+    trainer_classes = {p.partition(":")[2]: p for s in registry_module.BUILTIN_STRATEGIES if (p := s.trainer_class)}
+    fabric_classes = {p.partition(":")[2]: p for s in registry_module.BUILTIN_STRATEGIES if (p := s.fabric_class)}
+    assert set(lightning_hetero.__all__) == {*trainer_classes, "__version__"}
+    assert set(fabric.__all__) == set(fabric_classes)
+    for name, path in trainer_classes.items():
+        assert getattr(lightning_hetero, name) is registry_module.import_class(path)
+        assert name in dir(lightning_hetero)
+    for name, path in fabric_classes.items():
+        assert getattr(fabric, name) is registry_module.import_class(path)
+        assert name in dir(fabric)
+    # The TYPE_CHECKING imports (for type checkers only) name exactly the table's classes.
+    modules = {n: p.partition(":")[0] for n, p in trainer_classes.items()}
+    assert _type_checking_imports(lightning_hetero.__file__) == modules
+    assert _type_checking_imports(fabric.__file__) == {n: p.partition(":")[0] for n, p in fabric_classes.items()}
+
+
+def _type_checking_imports(path: str) -> dict[str, str]:
+    tree = ast.parse(Path(path).read_text())
+    blocks = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
+    return {
+        alias.name: node.module
+        for block in blocks
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def test_a_spec_appended_to_the_table_is_a_package_attribute(monkeypatch, probe_name):
+    import lightning_hetero.fabric as fabric
+
+    spec = StrategySpec(probe_name, f"{__name__}:_TrainerProbe", f"{__name__}:_FabricProbe")
+    monkeypatch.setattr(registry_module, "BUILTIN_STRATEGIES", [*registry_module.BUILTIN_STRATEGIES, spec])
+    assert lightning_hetero._TrainerProbe is _TrainerProbe
+    assert fabric._FabricProbe is _FabricProbe
+    with pytest.raises(AttributeError, match="_FabricProbe"):
+        lightning_hetero._FabricProbe  # noqa: B018  (a Fabric class is not a Trainer attribute)
+
+
+def test_every_strategy_has_its_spawn_alias():
+    specs = {spec.name: spec for spec in registry_module.BUILTIN_STRATEGIES}
+    bases = [spec for name, spec in specs.items() if not name.endswith("_spawn")]
+    assert len(specs) == 2 * len(bases)
+    for base in bases:
+        alias = specs[f"{base.name}_spawn"]
+        assert (alias.trainer_class, alias.fabric_class) == (base.trainer_class, base.fabric_class)
+        assert alias.init_params == {**base.init_params, "start_method": "spawn"}
+
+
+def test_no_strategy_class_declares_an_unread_strategy_name():
+    """Lightning reads ``strategy_name`` only on its own classes (their ``register_strategies``); ours register by
+    the table, so the attribute would be a second, unchecked copy of the name."""
+    for spec in registry_module.BUILTIN_STRATEGIES:
+        for path in (spec.trainer_class, spec.fabric_class):
+            cls = registry_module.import_class(path)
+            assert "strategy_name" not in vars(cls), f"{path} sets strategy_name"

@@ -63,8 +63,6 @@ class FlexDeMoStrategy(FabricStrategyBase):
             ``start_method``, ...): see :class:`~lightning_hetero.strategies.lifecycle.FabricStrategyBase`.
     """
 
-    strategy_name = "flexdemo"
-
     def __init__(
         self,
         replicator: str | None = None,

@@ -73,8 +73,6 @@ class FlexDeMoStrategy(TrainerStrategyBase):
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    strategy_name = "flexdemo"
-
     def __init__(
         self,
         replicator: str | None = None,

@@ -44,7 +44,6 @@ class LayerwiseStrategy(PipelineFabricStrategy):
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
-    strategy_name = "layerwise"
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     backward_refusal = (
         "With LayerwiseStrategy, fabric.backward() is not used: strategy.train_step(batch) runs this stage's "

@@ -68,7 +68,6 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    strategy_name = "layerwise"
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
     predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."

@@ -38,8 +38,6 @@ class SparseFlipStrategy(FabricStrategyBase):
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
-    strategy_name = "sparseflip"
-
     def __init__(
         self,
         kind: str = "ternary",

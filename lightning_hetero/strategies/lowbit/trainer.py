@@ -84,8 +84,6 @@ class SparseFlipStrategy(TrainerStrategyBase):
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    strategy_name = "sparseflip"
-
     def __init__(
         self,
         kind: str = "ternary",

@@ -74,8 +74,6 @@ class MatFormerStrategy(FabricStrategyBase):
             ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
 
-    strategy_name = "matformer"
-
     def __init__(
         self,
         tiers: list[int | list[int]] | None = None,

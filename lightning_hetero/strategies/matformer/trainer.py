@@ -71,8 +71,6 @@ class MatFormerStrategy(TrainerStrategyBase):
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    strategy_name = "matformer"
-
     def __init__(
         self,
         tiers: list[int | list[int]] | None = None,

@@ -45,7 +45,6 @@ class SubspacePipelineStrategy(PipelineFabricStrategy):
     :class:`~lightning_hetero.strategies.FabricStrategyBase`).
     """
 
-    strategy_name = "subspace_pipeline"
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see the "
         "pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."

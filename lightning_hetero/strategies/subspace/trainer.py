@@ -72,7 +72,6 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy):
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    strategy_name = "subspace_pipeline"
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
         "the pipeline's loss). Use 'bf16-mixed', 'bf16-true' or '32-true'."
