@@ -3,9 +3,10 @@
 See ``docs/layerwise.md``. The Lightning side is :class:`lightning_hetero.callbacks.GreedyLayerwise`.
 """
 
-from lightning_hetero.layerwise.blocks import AUX_HEAD_KINDS, BlockStack, split_into_blocks
+from lightning_hetero.layerwise.blocks import split_into_blocks
 from lightning_hetero.layerwise.cache import CACHE_STORAGES, ActivationCache, content_keys
 from lightning_hetero.layerwise.greedy import GreedyStages, SplitMismatchError
+from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS, BlockStack
 
 __all__ = [
     "AUX_HEAD_KINDS",

@@ -18,7 +18,7 @@
 which blocks 1.. start (``[2]`` on 4 layers: blocks ``[0, 2)`` and ``[2, 4)``); neither: one block per unit.
 
 The result is a :class:`~lightning_hetero.layerwise.stack.BlockStack` (see :mod:`lightning_hetero.layerwise.stack`
-for what it offers), re-exported here with :data:`AUX_HEAD_KINDS` so the old import paths keep working.
+for what it offers). The Llama family is recognised by :data:`lightning_hetero.hf.decoder.SUPPORTED_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS, BlockStack, GPT2Stem, NormAndProject
-from lightning_hetero.subspace.decoder import SUPPORTED_FAMILIES as LLAMA_FAMILIES
-from lightning_hetero.subspace.decoder import split_layers
+from lightning_hetero.hf.decoder import SUPPORTED_FAMILIES as LLAMA_FAMILIES
+from lightning_hetero.layerwise.stack import BlockStack, GPT2Stem, NormAndProject
+from lightning_hetero.pipeline.layout import split_layers
 
-__all__ = ["AUX_HEAD_KINDS", "BlockStack", "split_into_blocks"]
+__all__ = ["split_into_blocks"]
 
 
 def _class_names(module: nn.Module) -> set[str]:

@@ -22,7 +22,8 @@ step by step, in one process (tests/dist/test_layerwise_strategy.py checks it bi
 format of ``GreedyLayerwise``'s export: HF ``save_pretrained``, or ``model.pt`` for a CNN.
 
 Ledger labels: activations, headers and the evaluation loss broadcast use ``pipeline``; the replicas' gradient
-average uses ``intra``; the export's transfer uses the subspace export's label. Nothing here imports Lightning.
+average uses ``intra``; the export's transfer uses
+:data:`lightning_hetero.pipeline.stage_gather.EXPORT_LABEL`. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from lightning_hetero.layerwise.decoupled import ActivationLink, bad_payload_pol
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
 from lightning_hetero.layerwise.loss_report import ModelLossReport
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer, check_capacity
-from lightning_hetero.subspace.pipeline import PipelineGroups, PipelineLayout
+from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout
 
 __all__ = ["CHECKPOINT_FORMAT", "MODES", "DecoupledRuntime"]
 
@@ -90,8 +91,8 @@ class DecoupledRuntime(StrategyRuntime):
         on_bad_payload: str = "raise",
         owner: str = "LayerwiseStrategy",
     ) -> None:
-        from lightning_hetero.layerwise.dgl_stage import AUX_HEAD_KINDS
-        from lightning_hetero.subspace.codec import BoundaryCodec
+        from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS
+        from lightning_hetero.pipeline.codec import BoundaryCodec
 
         self.owner = owner
         for name, value, minimum in (("num_stages", num_stages, 1), ("data_parallel_size", data_parallel_size, 1),
@@ -374,7 +375,7 @@ class DecoupledRuntime(StrategyRuntime):
             save_model,
             stage_export_state,
         )
-        from lightning_hetero.subspace.checkpoint import gather_stage_states
+        from lightning_hetero.pipeline.stage_gather import gather_stage_states
 
         self.flush()
         root = self._stack.root

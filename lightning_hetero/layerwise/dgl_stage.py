@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hetero.layerwise.blocks import AUX_HEAD_KINDS, BlockStack, split_into_blocks
+from lightning_hetero.layerwise.blocks import split_into_blocks
+from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS, BlockStack
 
-__all__ = ["AUX_HEAD_KINDS", "DGLStageModel", "build_dgl_stage", "check_head_output", "find_dgl_stage"]
+__all__ = ["DGLStageModel", "build_dgl_stage", "check_head_output", "find_dgl_stage"]
 
 
 class DGLStageModel(nn.Module):

@@ -1,7 +1,7 @@
 """Greedy layerwise training (Belilovsky et al., 2018), framework-free: :class:`GreedyStages`.
 
 Stage ``j`` trains block ``j`` (and the stem when ``j == 0``) through its own head, an auxiliary head from
-:meth:`~lightning_hetero.layerwise.blocks.BlockStack.make_aux_head`, or, on the last stage, the model's own final
+:meth:`~lightning_hetero.layerwise.stack.BlockStack.make_aux_head`, or, on the last stage, the model's own final
 head (unless ``keep_last_aux`` trains an auxiliary head there and :meth:`GreedyStages.export_` copies it into the
 model's head). Everything before block ``j`` is frozen: ``requires_grad=False``, run in eval mode without a graph, or
 read from an :class:`~lightning_hetero.layerwise.cache.ActivationCache`.
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hetero.layerwise.blocks import BlockStack
 from lightning_hetero.layerwise.cache import ActivationCache, content_keys
+from lightning_hetero.layerwise.stack import BlockStack
 
 __all__ = ["GreedyStages", "SplitMismatchError"]
 

@@ -1,9 +1,11 @@
 """Subspace networks ("Protocol Models"): HF decoders whose stage boundaries carry k numbers per token, losslessly.
 
 Framework-free core (no Lightning imports): the shared basis and Grassmann update (:mod:`.basis`), the confined
-layers (:mod:`.layers`), model discovery and surgery (:mod:`.model`), stage modules with the boundary codec
-(:mod:`.stages`, :mod:`.codec`), the subspace-preserving optimizer (:mod:`.optim`) and dense export (:mod:`.export`).
-The pipeline runtime and the Lightning/Fabric strategies build on these. See ``docs/subspace.md``.
+layers and the surgery that puts them in a decoder (:mod:`.layers`), stage modules and the whole constrained model
+(:mod:`.stage_module`, :mod:`.stages`), the subspace-preserving optimizer (:mod:`.optim`) and dense export
+(:mod:`.export`). Decoder discovery (:mod:`lightning_hetero.hf.decoder`), the rank layout, boundary codec and export
+gather (:mod:`lightning_hetero.pipeline`) are the shared floor below. The pipeline runtime and the Lightning/Fabric
+strategies build on these. See ``docs/subspace.md``.
 """
 
 from lightning_hetero.subspace.basis import (
@@ -15,24 +17,14 @@ from lightning_hetero.subspace.basis import (
     outside_span_fraction,
     propose_basis,
 )
-from lightning_hetero.subspace.codec import BoundaryCodec
 from lightning_hetero.subspace.export import dense_state_dict, export_dense
 from lightning_hetero.subspace.layers import ProjectedLinear, SubspaceEmbedding, SubspaceLinear
-from lightning_hetero.subspace.model import SUPPORTED_FAMILIES, DecoderParts, constrained_model, find_decoder
 from lightning_hetero.subspace.optim import SubspaceAdamW
-from lightning_hetero.subspace.stages import (
-    StageModule,
-    build_stages,
-    causal_lm_loss,
-    reference_forward,
-    split_layers,
-)
+from lightning_hetero.subspace.stage_module import StageModule
+from lightning_hetero.subspace.stages import build_stages, causal_lm_loss, constrained_model, reference_forward
 
 __all__ = [
     "COORD_DTYPES",
-    "SUPPORTED_FAMILIES",
-    "BoundaryCodec",
-    "DecoderParts",
     "FixedTokenTable",
     "ProjectedLinear",
     "StageModule",
@@ -46,10 +38,8 @@ __all__ = [
     "constrained_model",
     "dense_state_dict",
     "export_dense",
-    "find_decoder",
     "orthonormal_basis",
     "outside_span_fraction",
     "propose_basis",
     "reference_forward",
-    "split_layers",
 ]

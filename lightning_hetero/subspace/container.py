@@ -6,7 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_hetero.subspace.model import find_decoder
+from lightning_hetero.hf.decoder import find_decoder
+from lightning_hetero.subspace.layers import CONFINED_WRITER_TYPES
 
 __all__ = ["PipelineStageModel", "find_container", "hollow_into", "locate_decoder"]
 
@@ -66,7 +67,7 @@ def locate_decoder(module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]
     Raises:
         ValueError: No supported model inside (the subspace core's message names the supported families).
     """
-    parts = find_decoder(module)
+    parts = find_decoder(module, CONFINED_WRITER_TYPES)
     if not parts.path:
         return None, "", parts.causal_lm
     parent_name, _, attribute = parts.path.rpartition(".")

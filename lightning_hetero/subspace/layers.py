@@ -12,7 +12,8 @@ The trainable embedding :class:`SubspaceEmbedding` likewise stores ``E_k`` (``V 
 dense ``V x d`` table with rows in span(U) (projected). The frozen ``T_fixed`` is added by the stage, not here.
 
 Layers hold an *unregistered* reference to the stage's :class:`~lightning_hetero.subspace.basis.SubspaceBasis`, so U
-is stored once per stage and a rebase (an in-place copy of U) reaches every layer.
+is stored once per stage and a rebase (an in-place copy of U) reaches every layer. :func:`constrain_layer_` swaps a
+decoder layer's residual writers for these layers; :data:`CONFINED_WRITER_TYPES` is what a writer may be afterwards.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_hetero.hf.decoder import RESIDUAL_WRITERS
 from lightning_hetero.subspace.basis import SubspaceBasis, wide_dtype
 
-__all__ = ["ProjectedLinear", "SubspaceEmbedding", "SubspaceLinear"]
+__all__ = ["CONFINED_WRITER_TYPES", "ProjectedLinear", "SubspaceEmbedding", "SubspaceLinear", "constrain_layer_"]
 
 
 class SubspaceLinear(nn.Module):
@@ -180,3 +182,30 @@ class SubspaceEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, mode={self.mode}, rank={self._owner.rank}, padding_idx={self.padding_idx}"
+
+
+CONFINED_WRITER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, SubspaceLinear)
+"""What a residual writer of a supported decoder may be: HF's ``nn.Linear`` or a confined layer (``ProjectedLinear``
+is an ``nn.Linear``). Pass to :func:`lightning_hetero.hf.decoder.find_decoder` as ``writer_types``."""
+
+
+def constrain_layer_(layer: nn.Module, owner: SubspaceBasis, mode: str) -> None:
+    """Replace a decoder layer's ``o_proj`` and ``down_proj`` by their confined versions, in place.
+
+    ``reparam``: :class:`SubspaceLinear` with ``Z = U^T W``; ``projected``: :class:`ProjectedLinear` sharing the
+    original parameters, projected onto span(U). Either way the layer computes ``U U^T W`` afterwards.
+    """
+    for writer in RESIDUAL_WRITERS:
+        parent_path, name = writer.rsplit(".", 1)
+        parent = layer.get_submodule(parent_path)
+        linear = getattr(parent, name)
+        if isinstance(linear, SubspaceLinear | ProjectedLinear):
+            raise ValueError(
+                f"{writer} is already confined; build the stages from an unmodified HF model (or pass copy=True)."
+            )
+        confined = (
+            SubspaceLinear.from_linear(linear, owner)
+            if mode == "reparam"
+            else ProjectedLinear.from_linear(linear, owner)
+        )
+        setattr(parent, name, confined)

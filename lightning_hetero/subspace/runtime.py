@@ -34,13 +34,10 @@ from lightning_hetero.core import (
     broadcast_module_state,
     clip_grad_norm_over_group,
 )
-from lightning_hetero.subspace.checkpoint import EXPORT_LABEL
+from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, split_layers
 from lightning_hetero.subspace.container import PipelineStageModel, find_container, hollow_into, locate_decoder
 from lightning_hetero.subspace.pipeline import (
-    IGNORE_INDEX,
     PipelineExecutor,
-    PipelineGroups,
-    PipelineLayout,
     shifted_ce_sum,
     split_batch,
     valid_tokens,
@@ -48,7 +45,7 @@ from lightning_hetero.subspace.pipeline import (
 from lightning_hetero.subspace.runtime_state import PipelineStateMixin
 from lightning_hetero.subspace.schedules import check_schedule
 
-__all__ = ["EXPORT_LABEL", "IGNORE_INDEX", "PipelineStageModel", "SubspacePipelineRuntime", "split_batch"]
+__all__ = ["SubspacePipelineRuntime"]
 
 DEFAULT_COMPRESSION = 16.0
 """``d / k`` when neither ``rank`` nor ``compression`` is given (so ``strategy="subspace_pipeline"`` works)."""
@@ -209,8 +206,6 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
             self.groups = PipelineGroups(self.layout, global_rank)
         existing = find_container(module)
         if existing is not None:
-            from lightning_hetero.subspace.stages import split_layers
-
             if existing.num_stages != self.num_stages:
                 raise ValueError(
                     f"{self.owner}(num_stages={self.num_stages}): the module already holds stage "
@@ -221,7 +216,7 @@ class SubspacePipelineRuntime(PipelineStateMixin, StrategyRuntime):
             self.layer_ranges = [tuple(r) for r in split_layers(layers, self.num_stages)]
             self.executor = PipelineExecutor(existing.stage, self.groups, self.schedule)
             return module
-        from lightning_hetero.subspace.stages import build_stages, split_layers
+        from lightning_hetero.subspace.stages import build_stages
 
         parent, attribute, hf_model = locate_decoder(module)
         num_layers = int(hf_model.config.num_hidden_layers)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_hetero.pipeline.stage_gather import gather_stage_states, stage_bytes_limit
 from lightning_hetero.subspace import checkpoint as ckpt
-from lightning_hetero.subspace.checkpoint import gather_stage_states
 
 __all__ = ["PipelineStateMixin"]
 
@@ -83,9 +83,7 @@ class PipelineStateMixin:
         state = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
         # Rank 0 bounds every announced stage size by what this model's stages can hold, before allocating.
         bound = (
-            ckpt.stage_bytes_limit(self.container.config)
-            if self._groups.rank == 0 and self.container is not None
-            else None
+            stage_bytes_limit(self.container.config) if self._groups.rank == 0 and self.container is not None else None
         )
         return gather_stage_states(state, self.layout, self._groups.rank, self.stage_device, max_bytes=bound)
 

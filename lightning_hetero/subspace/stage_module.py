@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_hetero.hf.decoder import DecoderParts, maybe_copy
+from lightning_hetero.pipeline.codec import BoundaryCodec
 from lightning_hetero.subspace.basis import (
     FixedTokenTable,
     SubspaceBasis,
@@ -30,9 +32,7 @@ from lightning_hetero.subspace.basis import (
     orthonormal_basis,
     wide_dtype,
 )
-from lightning_hetero.subspace.codec import BoundaryCodec
-from lightning_hetero.subspace.decoder import DecoderParts, constrain_layer_, maybe_copy
-from lightning_hetero.subspace.layers import ProjectedLinear, SubspaceEmbedding, SubspaceLinear
+from lightning_hetero.subspace.layers import ProjectedLinear, SubspaceEmbedding, SubspaceLinear, constrain_layer_
 from lightning_hetero.subspace.optim import project_along, reproject_parameter_, rotate_parameter_
 
 __all__ = ["StageModule"]
@@ -81,7 +81,7 @@ class StageModule(nn.Module):
             records the residual gradient there.
         is_first, is_last: Whether it embeds token ids / produces logits.
         config: The :class:`SubspaceConfig`; ``hf_config``: the HF config.
-        codec: The :class:`~lightning_hetero.subspace.codec.BoundaryCodec` of its boundaries.
+        codec: The :class:`~lightning_hetero.pipeline.codec.BoundaryCodec` of its boundaries.
     """
 
     def __init__(

@@ -1,7 +1,9 @@
-"""Building the pipeline's stage modules from a supported HF decoder, the loss, and the single-process reference.
+"""Building the pipeline's stage modules (or the whole constrained model) from a supported HF decoder, the loss, and
+the single-process reference.
 
-:class:`~lightning_hetero.subspace.stage_module.StageModule` (one stage) and :func:`split_layers` live one level
-down, in :mod:`.stage_module` and :mod:`.decoder`; both stay importable from here.
+One stage is a :class:`~lightning_hetero.subspace.stage_module.StageModule`; the decoder is found by
+:func:`lightning_hetero.hf.decoder.find_decoder` and its layers split by
+:func:`lightning_hetero.pipeline.layout.split_layers`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_hetero.hf.decoder import find_decoder
+from lightning_hetero.pipeline.layout import split_layers
 from lightning_hetero.subspace.basis import SubspaceConfig
-from lightning_hetero.subspace.decoder import find_decoder, split_layers
+from lightning_hetero.subspace.layers import CONFINED_WRITER_TYPES
 from lightning_hetero.subspace.stage_module import StageModule
 
-__all__ = ["StageModule", "build_stages", "causal_lm_loss", "reference_forward", "split_layers"]
+__all__ = ["build_stages", "causal_lm_loss", "constrained_model", "reference_forward"]
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -54,7 +58,7 @@ def build_stages(
     Raises:
         ValueError: unsupported model family, bad ``num_stages`` or ``stage_indices``, bad rank/compression.
     """
-    parts = find_decoder(hf_model)
+    parts = find_decoder(hf_model, CONFINED_WRITER_TYPES)
     config.resolve_rank(parts.hidden_size)  # validate k against d before touching anything
     ranges = split_layers(parts.num_layers, num_stages)
     indices = list(stage_indices)
@@ -78,6 +82,39 @@ def build_stages(
     if release_unused and not copy:
         _release_unused(hf_model, stages)
     return stages
+
+
+def constrained_model(
+    hf_model: nn.Module, config: SubspaceConfig, num_stages: int, *, copy: bool = False
+) -> StageModule:
+    """The whole constrained model as ONE module (no boundary encode/decode inside): ``model(None, input_ids)``.
+
+    It equals the chain of ``build_stages(hf_model, config, num_stages, all stages)``: the same layers are confined
+    (those of every stage but the last), the same U, T_fixed and weights; only the boundaries' encode/decode is
+    absent, so comparing the two checks that reconstruction is exact.
+
+    Args:
+        hf_model: A supported HF causal LM, or any module holding one.
+        config: The subspace configuration.
+        num_stages: The pipeline depth the model is built for: it decides which layers are free (the last stage's).
+        copy: Deep-copy the needed HF modules first (leaves ``hf_model`` untouched); by default they are reused and
+            transformed in place.
+    """
+    parts = find_decoder(hf_model, CONFINED_WRITER_TYPES)
+    ranges = split_layers(parts.num_layers, num_stages)
+    constrained = set(range(0, ranges[-1][0]))
+    return StageModule.build(
+        parts,
+        config,
+        layer_range=(0, parts.num_layers),
+        constrained_layers=constrained,
+        stage_index=0,
+        num_stages=1,
+        is_first=True,
+        is_last=True,
+        boundary_layers=[start for start, _ in ranges[1:]],
+        copy=copy,
+    )
 
 
 def _release_unused(hf_model: nn.Module, stages: list[StageModule]) -> None:

@@ -48,8 +48,7 @@ def _batch(seed: int = 3) -> dict[str, torch.Tensor]:
 def _reference(run: dict[str, Any], num_stages: int, batches: list[dict[str, torch.Tensor]]) -> tuple[float, dict]:
     """Loss and gradients of the same model in one process: mean over replicas of the full-batch token-mean loss."""
     from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.model import constrained_model
-    from lightning_hetero.subspace.stages import causal_lm_loss
+    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
 
     hf = _hf_model()
     if run.get("compress", True):
@@ -121,8 +120,7 @@ def _update_worker(rank: int, world_size: int) -> dict[str, Any]:
 def _check_update(results: list[dict[str, Any]]) -> None:
     """Bit-identical U on both stages, moved by the update; the pipeline still equals one process (exact boundary)."""
     from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.model import constrained_model
-    from lightning_hetero.subspace.stages import causal_lm_loss
+    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
 
     stage0, stage1 = results
     assert torch.equal(stage0["basis"], stage1["basis"])

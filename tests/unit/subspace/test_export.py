@@ -18,7 +18,6 @@ from lightning_hetero.subspace import (
     export_dense,
     reference_forward,
 )
-from lightning_hetero.subspace.model import export_dense as export_dense_from_model
 from tests.unit.subspace._tiny import chain_with_messages, fresh, relative_error, tiny_model, token_ids
 
 
@@ -64,7 +63,7 @@ def test_export_loads_with_plain_transformers_and_equal_logits(tmp_path: Path, m
 def test_export_of_the_whole_model_and_of_the_uncompressed_pipeline(tmp_path: Path) -> None:
     model = tiny_model(tie_word_embeddings=True)
     whole = constrained_model(fresh(model), SubspaceConfig(rank=8), 2)
-    export_dense_from_model(whole, model.config, tmp_path / "whole")
+    export_dense(whole, model.config, tmp_path / "whole")
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
     ids = token_ids()
     assert relative_error(loaded(ids).logits, reference_forward(whole, ids)) < 1e-5

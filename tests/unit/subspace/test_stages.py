@@ -6,16 +6,16 @@ import pytest
 import torch
 import transformers as tf
 
+from lightning_hetero.hf.decoder import find_decoder
+from lightning_hetero.pipeline.layout import split_layers
 from lightning_hetero.subspace import (
     StageModule,
     SubspaceConfig,
     build_stages,
     causal_lm_loss,
     constrained_model,
-    find_decoder,
     outside_span_fraction,
     reference_forward,
-    split_layers,
 )
 from tests.unit.subspace._tiny import (
     FAMILIES,
@@ -32,16 +32,6 @@ K = 8
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
-
-
-def test_split_layers_is_balanced_and_contiguous() -> None:
-    assert split_layers(4, 2) == [(0, 2), (2, 4)]
-    assert split_layers(7, 3) == [(0, 3), (3, 5), (5, 7)]
-    assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    with pytest.raises(ValueError, match="num_stages=5 exceeds the model's 4 decoder layers"):
-        split_layers(4, 5)
-    with pytest.raises(ValueError, match="positive integer"):
-        split_layers(4, 0)
 
 
 @pytest.mark.parametrize("mode", ["reparam", "projected"])
@@ -212,13 +202,6 @@ def test_tied_embeddings_are_untied() -> None:
     stages = build_stages(fresh(model), SubspaceConfig(compress=False), 2, [0, 1])
     assert stages[1].lm_head.weight is not stages[0].model.embed_tokens.weight
     torch.testing.assert_close(reference_forward(stages, token_ids()), model(token_ids()).logits)
-
-
-def test_find_decoder_inside_a_wrapper_module() -> None:
-    wrapper = torch.nn.Module()
-    wrapper.net = tiny_model()
-    parts = find_decoder(wrapper)
-    assert parts.path == "net" and parts.family == "llama" and parts.num_layers == LAYERS
 
 
 def test_errors_are_clear() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.subspace.pipeline import PipelineLayout
+from lightning_hetero.pipeline.layout import PipelineLayout
 from lightning_hetero.subspace.schedules import Action, build_schedule, check_schedule
 
 

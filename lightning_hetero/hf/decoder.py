@@ -1,11 +1,12 @@
-"""Find the HF decoder inside a user's model, split its layers into stages and confine its residual writers.
+"""Find a Llama-family HF causal LM inside a user's model and name its parts (decoder discovery).
 
 Supported families (matched by class name anywhere in the MRO, found anywhere inside the module tree, e.g. a
 LightningModule holding the model): ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``. They share the pre-norm layout ``model.{embed_tokens, layers, norm, rotary_emb}`` + ``lm_head``
-with ``self_attn.o_proj`` and ``mlp.down_proj`` as the only residual-stream writers; their trainable norms sit on the
-sublayer *inputs* (and Qwen3's q/k norms inside attention), so confining those two writers and the embedding is
-enough (see ``docs/subspace.md``).
+with ``self_attn.o_proj`` and ``mlp.down_proj`` as the only residual-stream writers (:data:`RESIDUAL_WRITERS`); their
+trainable norms sit on the sublayer *inputs* (and Qwen3's q/k norms inside attention). The subspace pipeline confines
+those writers (``docs/subspace.md``); greedy layerwise training recognises the same families. Framework-free: torch
+(and the HF model handed in), never Lightning.
 """
 
 from __future__ import annotations
@@ -16,17 +17,12 @@ from typing import Any
 
 from torch import nn
 
-from lightning_hetero.subspace.basis import SubspaceBasis
-from lightning_hetero.subspace.layers import ProjectedLinear, SubspaceLinear
-
 __all__ = [
     "RESIDUAL_WRITERS",
     "SUPPORTED_FAMILIES",
     "DecoderParts",
-    "constrain_layer_",
     "find_decoder",
     "maybe_copy",
-    "split_layers",
 ]
 
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -104,8 +100,13 @@ def _family_of(module: nn.Module) -> str | None:
     return None
 
 
-def find_decoder(model: nn.Module) -> DecoderParts:
+def find_decoder(model: nn.Module, writer_types: tuple[type[nn.Module], ...] = (nn.Linear,)) -> DecoderParts:
     """Locate the supported HF causal LM inside ``model`` (the model itself, or any submodule).
+
+    Args:
+        model: The model, or any module holding it.
+        writer_types: What a residual writer (:data:`RESIDUAL_WRITERS`) may be: ``nn.Linear`` for a plain HF model;
+            a caller that replaces the writers by its own modules adds their type.
 
     Raises:
         ValueError: no supported family found (the message names the supported classes and what was found instead),
@@ -120,11 +121,11 @@ def find_decoder(model: nn.Module) -> DecoderParts:
         if missing or not hasattr(module, "lm_head"):
             raise ValueError(
                 f"{type(module).__name__} at {path or '<root>'!r} lacks {missing or ['lm_head']}; it does "
-                f"not have the standard HF decoder layout this strategy splits."
+                "not have the standard HF decoder layout."
             )
         for index, layer in enumerate(parts.layers):
             for writer in RESIDUAL_WRITERS:
-                if not isinstance(layer.get_submodule(writer), nn.Linear | SubspaceLinear):
+                if not isinstance(layer.get_submodule(writer), writer_types):
                     raise ValueError(f"layer {index} of {type(module).__name__} has no nn.Linear at {writer!r}.")
         return parts
     found = sorted(
@@ -136,53 +137,9 @@ def find_decoder(model: nn.Module) -> DecoderParts:
     )
     raise ValueError(
         f"no supported Hugging Face causal LM found in {type(model).__name__}"
-        f"{' (found: ' + ', '.join(found) + ')' if found else ''}. The subspace pipeline supports "
+        f"{' (found: ' + ', '.join(found) + ')' if found else ''}. It supports "
         f"{', '.join(SUPPORTED_FAMILIES)} (pre-norm decoders whose residual writers are o_proj and down_proj)."
     )
-
-
-def constrain_layer_(layer: nn.Module, owner: SubspaceBasis, mode: str) -> None:
-    """Replace a decoder layer's ``o_proj`` and ``down_proj`` by their confined versions, in place.
-
-    ``reparam``: :class:`SubspaceLinear` with ``Z = U^T W``; ``projected``: :class:`ProjectedLinear` sharing the
-    original parameters, projected onto span(U). Either way the layer computes ``U U^T W`` afterwards.
-    """
-    for writer in RESIDUAL_WRITERS:
-        parent_path, name = writer.rsplit(".", 1)
-        parent = layer.get_submodule(parent_path)
-        linear = getattr(parent, name)
-        if isinstance(linear, SubspaceLinear | ProjectedLinear):
-            raise ValueError(
-                f"{writer} is already confined; build the stages from an unmodified HF model (or pass copy=True)."
-            )
-        confined = (
-            SubspaceLinear.from_linear(linear, owner)
-            if mode == "reparam"
-            else ProjectedLinear.from_linear(linear, owner)
-        )
-        setattr(parent, name, confined)
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Balanced contiguous ``[start, stop)`` layer ranges, earlier stages taking the remainder.
-
-    Raises:
-        ValueError: ``num_stages`` < 1 or > ``num_layers``.
-    """
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r} must be a positive integer.")
-    if num_stages > num_layers:
-        raise ValueError(
-            f"num_stages={num_stages} exceeds the model's {num_layers} decoder layers; every stage needs at least "
-            f"one layer, so use num_stages <= {num_layers}."
-        )
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        stop = start + base + (1 if stage < extra else 0)
-        ranges.append((start, stop))
-        start = stop
-    return ranges
 
 
 def maybe_copy(module: nn.Module, copy: bool) -> nn.Module:

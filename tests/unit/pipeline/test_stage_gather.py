@@ -1,4 +1,5 @@
-"""The export gather of the subspace pipeline: what a stage sends to rank 0 is bounded, safetensors-only and finite.
+"""The pipelines' export gather (subspace, decoupled layerwise): what a stage sends to rank 0 is bounded,
+safetensors-only and finite.
 
 A hostile or corrupt stage can announce a negative or huge size, send bytes that are not a safetensors file, or send
 NaN weights. Rank 0 refuses each with a ``PeerPayloadError`` naming the stage's rank and the field, before allocating
@@ -18,14 +19,14 @@ from safetensors.torch import save as save_safetensors
 
 from lightning_hetero import comm
 from lightning_hetero.comm.validation import PeerPayloadError
-from lightning_hetero.subspace import SubspaceConfig, build_stages
-from lightning_hetero.subspace.checkpoint import (
+from lightning_hetero.pipeline.layout import PipelineLayout
+from lightning_hetero.pipeline.stage_gather import (
     EXPORT_LABEL,
     decode_stage_state,
     gather_stage_states,
     stage_bytes_limit,
 )
-from lightning_hetero.subspace.pipeline import PipelineLayout
+from lightning_hetero.subspace import SubspaceConfig, build_stages
 from lightning_hetero.testing import run_distributed
 from tests.payload_rule import assert_decoder_rule
 from tests.unit.subspace._tiny import fresh, tiny_model
