@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO / "recipes"))
 import torch  # noqa: E402
 from headline import run_metadata  # noqa: E402
 
-from lightning_hetero.flexdemo.replicators import build_replicator  # noqa: E402
-from lightning_hetero.flexdemo.transforms import ChunkedDCT  # noqa: E402
 from lightning_hetero.models import build_config  # noqa: E402
+from lightning_hetero.replication import build_replicator  # noqa: E402
+from lightning_hetero.replication.transforms import ChunkedDCT  # noqa: E402
 
 
 def parameter_shapes(preset: str, vocab_size: int | None = None) -> list[tuple[int, ...]]:

@@ -97,7 +97,8 @@ def bytes_per_tier(name: str, tiers: list[int]) -> dict[str, list[int]]:
     from transformers import AutoModelForCausalLM
 
     from lightning_hetero.matformer.adapters import config_intermediate_size, ffn_parameters
-    from lightning_hetero.matformer.tiers import bytes_per_step, widths_for
+    from lightning_hetero.matformer.layout import widths_for
+    from lightning_hetero.matformer.tiers import bytes_per_step
 
     config = _config(name)
     with torch.device("meta"):

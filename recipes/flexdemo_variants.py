@@ -216,7 +216,7 @@ def build_variant_replicator(variant: Variant) -> Any:
     (the benchmark's optimizer) the buffer is the error-feedback accumulator ``e``: each step then sends the top-k of
     that step's Adam direction alone. (With ``DeMoSGD`` the buffer is the momentum, which this would also drop.)
     """
-    from lightning_hetero.flexdemo.replicators import REPLICATORS, build_replicator
+    from lightning_hetero.replication import REPLICATORS, build_replicator
 
     if variant.baseline:
         raise ValueError(f"variant {variant.name!r} is a stock baseline and has no replicator")

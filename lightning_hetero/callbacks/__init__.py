@@ -6,7 +6,9 @@ from lightning_hetero.callbacks.layerwise import GreedyLayerwise
 from lightning_hetero.callbacks.periodic_checkpoint import VerifiedCheckpoint
 from lightning_hetero.callbacks.subspace_export import SubspaceDenseExport
 from lightning_hetero.callbacks.subspace_rank import SubspaceRankMonitor
-from lightning_hetero.callbacks.tiers import MatFormerSampler, TierEvaluation, TierExport
+from lightning_hetero.callbacks.tier_eval import TierEvaluation
+from lightning_hetero.callbacks.tier_export import TierExport
+from lightning_hetero.callbacks.tier_sampler import MatFormerSampler
 
 __all__ = [
     "CommunicationMonitor",

@@ -2,7 +2,7 @@
 
 The strategy builds its optimizers after sharding (parameters are then FSDP2 DTensors) and converts them here,
 keeping the param groups (and every per-group hyperparameter, plus ``initial_lr`` of an LR scheduler) as they are. An
-optimizer that already is a :class:`~lightning_hetero.flexdemo.optim.ReplicatingOptimizer` is used as given.
+optimizer that already is a :class:`~lightning_hetero.flexdemo.replicating.ReplicatingOptimizer` is used as given.
 LR schedulers built on the original optimizer are re-pointed with :func:`repoint_scheduler`.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD, ReplicatingOptimizer
+from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD
+from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "convert_optimizer", "repoint_scheduler"]
 

@@ -1,8 +1,8 @@
-"""Optimizers whose update is exchanged between replicas by a :class:`~.replicators.Replicator`.
+"""Optimizers whose update is exchanged between replicas by a :class:`~lightning_hetero.replication.Replicator`.
 
-Both derive from :class:`~lightning_hetero.flexdemo.replicating.ReplicatingOptimizer` (re-exported here with
-:func:`~lightning_hetero.flexdemo.replicating.local_tensor`), which owns the ``bind`` / ``launch`` / ``step`` protocol,
-the overlap of the exchange with backward and the checkpoint format; see :mod:`lightning_hetero.flexdemo.replicating`.
+Both derive from :class:`~lightning_hetero.flexdemo.replicating.ReplicatingOptimizer`, which owns the ``bind`` /
+``launch`` / ``step`` protocol, the overlap of the exchange with backward and the checkpoint format; see
+:mod:`lightning_hetero.flexdemo.replicating`.
 
 Semantics (``g`` the local gradient after the strategy's clipping, ``eta`` the lr, ``lambda`` the weight decay,
 ``R`` the replicator's combination over replicas, ``EF`` error feedback: what was sent leaves the local buffer):
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer, local_tensor
-from lightning_hetero.flexdemo.replicators import Replicator
+from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
+from lightning_hetero.replication import Replicator
 
-__all__ = ["DecoupledAdamW", "DeMoSGD", "ReplicatingOptimizer", "local_tensor"]
+__all__ = ["DeMoSGD", "DecoupledAdamW"]
 
 
 def _check(name: str, value: float, low: float, high: float | None = None, *, open_high: bool = True) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hetero.flexdemo.optim import ReplicatingOptimizer
+from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
 from lightning_hetero.flexdemo.sharding import ShardingUnit
 
 __all__ = ["OverlapHooks"]

@@ -21,7 +21,7 @@ anchors/outer momentum) is saved under the extra top-level key ``"replicator"`` 
 
 The concrete optimizers (:class:`~lightning_hetero.flexdemo.optim.DeMoSGD`,
 :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`) and their update semantics live in
-:mod:`lightning_hetero.flexdemo.optim`, which re-exports everything public here.
+:mod:`lightning_hetero.flexdemo.optim`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero.comm.validation import PeerPayloadError, report_dropped
-from lightning_hetero.flexdemo.replicators import Bucket, Replicator, build_replicator
-from lightning_hetero.flexdemo.replicators.base import check_combined
+from lightning_hetero.replication import Bucket, Replicator, build_replicator
+from lightning_hetero.replication.base import check_combined
 
 try:  # DTensor moved to a public module in torch 2.4; keep plain tensors working without it
     from torch.distributed.tensor import DTensor

@@ -24,9 +24,8 @@ from lightning_hetero.core import StrategyRuntime, WorldLayout, clip_grad_norm_o
 from lightning_hetero.core.drift import check_replica_drift
 from lightning_hetero.flexdemo import checkpoint as ckpt
 from lightning_hetero.flexdemo.conversion import convert_optimizer
-from lightning_hetero.flexdemo.optim import ReplicatingOptimizer
 from lightning_hetero.flexdemo.overlap import OverlapHooks
-from lightning_hetero.flexdemo.replicators import build_replicator
+from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
 from lightning_hetero.flexdemo.sharding import (
     ShardingUnit,
     apply_activation_checkpointing,
@@ -38,6 +37,7 @@ from lightning_hetero.flexdemo.sharding import (
     warn_no_blocks,
 )
 from lightning_hetero.flexdemo.topology import Topology, build_topology, resolve_shard_size
+from lightning_hetero.replication import build_replicator
 
 __all__ = ["DEFAULT_COMPRESSION", "DEFAULT_REPLICATOR", "FlexDeMoRuntime"]
 

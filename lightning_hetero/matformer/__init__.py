@@ -19,32 +19,24 @@ from lightning_hetero.matformer.adapters import (
     registered_adapters,
     unregister_adapter,
 )
-from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CompressedExchange, demo_bytes_per_step, demo_payload_bytes
 from lightning_hetero.matformer.export import export_tier
-from lightning_hetero.matformer.runtime import MatFormerRuntime
-from lightning_hetero.matformer.schema import SchemaMismatchError, canonical_schema, compare_schemas, schema_hash
-from lightning_hetero.matformer.slicing import (
+from lightning_hetero.matformer.helper_ranks import HelperConfig, helper_neurons, trained_neurons
+from lightning_hetero.matformer.layout import TierLayout, widths_for
+from lightning_hetero.matformer.prefix_state import (
     embed_prefix,
-    mask_suffix_gradients,
     pad_prefix,
     prefix_state_dict,
     scatter_prefix_into_full,
-    slice_model,
-    tier_view,
 )
-from lightning_hetero.matformer.tiers import (
-    HelperConfig,
-    Region,
-    TierLayout,
-    bytes_per_step,
-    contributor_counts,
-    helper_neurons,
-    regions,
-    trained_neurons,
-    widths_for,
-)
+from lightning_hetero.matformer.region_groups import RegionGroups
+from lightning_hetero.matformer.regions import Region, regions
+from lightning_hetero.matformer.runtime import MatFormerRuntime
+from lightning_hetero.matformer.schema import SchemaMismatchError, canonical_schema, compare_schemas, schema_hash
+from lightning_hetero.matformer.slicing import mask_suffix_gradients, slice_model, tier_view
+from lightning_hetero.matformer.tiers import bytes_per_step, contributor_counts
 from lightning_hetero.matformer.types import FFNParameter, tier_width
 
 __all__ = [

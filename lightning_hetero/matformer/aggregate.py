@@ -1,6 +1,6 @@
 """Per-region gradient aggregation for tiered MatFormer training, through the counted collectives only.
 
-Each FFN region (see :func:`~lightning_hetero.matformer.tiers.regions`) is all-reduced among exactly the ranks that
+Each FFN region (see :func:`~lightning_hetero.matformer.regions.regions`) is all-reduced among exactly the ranks that
 hold it, over one process group per distinct rank set (:class:`RegionGroups`), so a tier-``t`` rank moves only the
 bytes of what it holds. All pieces that share a rank set (and wire dtype) travel in one flat bucket: one all-reduce
 per group per step. Non-FFN gradients join the all-ranks bucket. Modes:
@@ -25,21 +25,13 @@ import torch
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER, ByteLedger
 from lightning_hetero.comm.validation import PeerPayloadError, check_finite, report_dropped, validate_on_bad_payload
+from lightning_hetero.matformer.helper_ranks import HelperConfig, drawn_neurons, validate_helpers
+from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.region_groups import GradientExchange, RegionGroups
-from lightning_hetero.matformer.tiers import (
-    HelperConfig,
-    TierLayout,
-    TierWeights,
-    check_mode,
-    contributor_weights,
-    drawn_neurons,
-    rank_weights,
-    validate_helpers,
-    wire_dtype,
-)
+from lightning_hetero.matformer.tiers import TierWeights, check_mode, contributor_weights, rank_weights, wire_dtype
 from lightning_hetero.matformer.types import FFNParameter
 
-__all__ = ["RegionGroups", "aggregate_gradients"]
+__all__ = ["aggregate_gradients"]
 
 
 @dataclass

@@ -30,7 +30,8 @@ from lightning_hetero.matformer.adapters import (
     UnsupportedModelError,
     intermediate_size_field,
 )
-from lightning_hetero.matformer.slicing import _hf_configs, prefix_state_dict
+from lightning_hetero.matformer.prefix_state import prefix_state_dict
+from lightning_hetero.matformer.slicing import _hf_configs
 from lightning_hetero.matformer.types import FFNParameter
 
 __all__ = ["grow_to_full", "slice_model_state", "slice_optimizer_state"]

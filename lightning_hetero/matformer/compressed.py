@@ -4,7 +4,7 @@ Each bucket of :func:`~lightning_hetero.matformer.aggregate.aggregate_gradients`
 in one dtype) keeps an fp32 error-feedback buffer on every member. Per step and bucket with more than one member:
 
 1. ``error += contribution`` (this rank's weighted gradient slabs, exactly what ``mean`` would all-reduce);
-2. every slab of ``error`` is encoded by a :class:`~lightning_hetero.flexdemo.replicators.DeMoReplicator` bound to
+2. every slab of ``error`` is encoded by a :class:`~lightning_hetero.replication.DeMoReplicator` bound to
    the rank set's process group: top-k of its chunked DCT-II, and what was sent (dequantized) is subtracted from
    ``error`` in place, so everything not sent stays for later steps;
 3. the bucket's packed bytes are all-gathered among the members only (one async collective per bucket, ledger label
@@ -40,10 +40,12 @@ from lightning_hetero.comm.validation import (
     peer_decoding,
     validate_on_bad_payload,
 )
-from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, build_replicator
+from lightning_hetero.matformer.helper_ranks import HelperConfig
+from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.region_groups import RegionGroups
-from lightning_hetero.matformer.tiers import HelperConfig, TierLayout, layer_regions
+from lightning_hetero.matformer.regions import layer_regions
 from lightning_hetero.matformer.types import FFNParameter
+from lightning_hetero.replication import Bucket, DeMoReplicator, build_replicator
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -62,7 +64,7 @@ __all__ = [
 DEFAULT_COMPRESSION = 1 / 32
 """Fraction of DCT coefficients kept per chunk when ``compression`` is not given."""
 DEMO_OPTIONS = ("chunk", "values", "index_bits")
-"""Keys ``demo_options`` may hold (passed to :class:`~lightning_hetero.flexdemo.replicators.DeMoReplicator`)."""
+"""Keys ``demo_options`` may hold (passed to :class:`~lightning_hetero.replication.DeMoReplicator`)."""
 CHECKPOINT_KEY = "matformer_error_feedback"
 """Checkpoint entry with every rank's error-feedback buffers."""
 CHECKPOINT_LABEL = "checkpoint"

@@ -3,7 +3,7 @@
 ``prefix_state_dict`` slices a full checkpoint to a tier without building the full model; ``pad_prefix`` and
 ``embed_prefix`` put a prefix back into the full shape (zero suffix / kept suffix); ``scatter_prefix_into_full``
 writes a sliced model's state dict into full-width weights. The model-level slicing (``slice_model``, ``tier_view``)
-is in :mod:`lightning_hetero.matformer.slicing`, which re-exports these names.
+is in :mod:`lightning_hetero.matformer.slicing`.
 """
 
 from __future__ import annotations

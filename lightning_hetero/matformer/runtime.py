@@ -6,21 +6,25 @@ set, slicing or masking), the per-region gradient sync, tier-consistent norm cli
 return to one full model after training. :mod:`lightning_hetero.strategies.matformer.trainer` (Trainer) and
 :mod:`lightning_hetero.strategies.matformer.fabric` (Fabric) only decide *when* each piece runs.
 
-Two responsibilities live in mixins of their own: the neuron masks of masked tier ranks
-(:mod:`lightning_hetero.matformer.neuron_masks`) and the checkpoint side, DeMo buffers and slicing of full
-checkpoints (:mod:`lightning_hetero.matformer.runtime_checkpoint`).
+A masked tier rank (``slice_weights=False``) trains only its neurons: a forward pre-hook on every FFN output
+projection multiplies the FFN hidden activations by a 0/1 mask (its prefix, plus this step's helper draw while
+training), cached per helper-draw window. On the checkpoint side, ``mode="demo"`` keeps every rank's error-feedback
+buffers in rank 0's checkpoint, and sliced tier ranks load rank 0's full checkpoint cut to their FFN widths.
 
 Every collective goes through :mod:`lightning_hetero.comm` with the label ``"inter"``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hetero import comm
@@ -28,7 +32,7 @@ from lightning_hetero.comm import INTER
 from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
-from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.arguments import (
     TierEntry,
     as_list,
@@ -38,23 +42,17 @@ from lightning_hetero.matformer.arguments import (
     expand_entries,
     module_schema,
 )
-from lightning_hetero.matformer.checkpoint import grow_to_full
+from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange, check_demo_arguments
-from lightning_hetero.matformer.neuron_masks import NeuronMasks
-from lightning_hetero.matformer.runtime_checkpoint import RuntimeCheckpoints
+from lightning_hetero.matformer.helper_ranks import HelperConfig, trained_neurons, validate_helpers
+from lightning_hetero.matformer.layout import TierLayout, widths_for
+from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.schema import SETUP_DOCUMENT, agree_on_schema, canonical_hash
 from lightning_hetero.matformer.slicing import slice_model
-from lightning_hetero.matformer.tiers import (
-    HelperConfig,
-    TierLayout,
-    check_mode,
-    rank_weights,
-    validate_helpers,
-    widths_for,
-)
+from lightning_hetero.matformer.tiers import check_mode, rank_weights
 from lightning_hetero.matformer.types import FFNParameter
 
-__all__ = ["MatFormerRuntime", "TierEntry"]
+__all__ = ["MatFormerRuntime"]
 
 
 def _step_zero() -> int:
@@ -62,7 +60,7 @@ def _step_zero() -> int:
     return 0
 
 
-class MatFormerRuntime(NeuronMasks, RuntimeCheckpoints, StrategyRuntime):
+class MatFormerRuntime(StrategyRuntime):
     """The loop-independent part of tiered MatFormer training, shared by the Trainer and Fabric strategies.
 
     Args:
@@ -275,7 +273,44 @@ class MatFormerRuntime(NeuronMasks, RuntimeCheckpoints, StrategyRuntime):
     def teardown(self) -> None:
         self.remove_masks()
 
-    # ------------------------------------------------------------------------------------------------ training
+    # ----------------------------------------------------------------------------------------- neuron masks
+    def _install_masks(self, module: nn.Module) -> None:
+        for block in self.blocks:
+            if self.local_widths[block.layer] == block.full_size:
+                continue  # a full-width FFN trains every neuron (helpers only exist below full width)
+            output = next(p for p in block.projections if p.role == "output")
+            hook = partial(self._mask_input, block.layer)
+            self._mask_handles.append(module.get_submodule(output.path).register_forward_pre_hook(hook))
+
+    def _mask_input(self, layer: int, projection: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Forward pre-hook of an FFN output projection: zero the hidden units this rank does not train.
+
+        The product zeroes both their contribution and every gradient through them. Training forwards use the
+        prefix plus this step's helper draw; evaluation forwards use the prefix only (the tier's own model).
+        """
+        hidden = args[0]
+        training = projection.training
+        step = self.step_fn() if training and self.helpers else 0
+        key = (layer, training, step // self.helper_redraw_every)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.layout is not None
+            trained = trained_neurons(
+                self.layout, self.rank, layer, helpers=self.helpers if training else None, step=step
+            )
+            mask = torch.zeros(self.layout.full_size_at(layer), device=hidden.device)
+            mask[trained.to(hidden.device)] = 1.0
+            self._masks = {k: v for k, v in self._masks.items() if k[1:] == key[1:]}  # keep only this window
+            self._masks[key] = mask
+        return (hidden * mask.to(hidden.dtype), *args[1:])
+
+    def remove_masks(self) -> None:
+        """Remove the neuron-mask hooks (the module then runs at full width)."""
+        for handle in self._mask_handles:
+            handle.remove()
+        self._mask_handles, self._masks = [], {}
+
+    # --------------------------------------------------------------------------------------------- training
     def sync_gradients(self, module: nn.Module, step: int) -> None:
         """Replace this rank's gradients by their per-region aggregate (collective; every rank, same order).
 
@@ -334,3 +369,44 @@ class MatFormerRuntime(NeuronMasks, RuntimeCheckpoints, StrategyRuntime):
             with torch.no_grad():
                 for spec in self.ffn_params:
                     comm.broadcast(params[spec.name].data, 0, label=INTER)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
+        """``mode="demo"``: every rank's error-feedback buffers, on rank 0 (collective; None elsewhere or off)."""
+        if self.exchange is None:
+            return None
+        ranks = self.exchange.gather_state(device)
+        return None if ranks is None else {"world_size": len(ranks), "ranks": ranks}
+
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
+        """``mode="demo"``: restore this rank's buffers from a checkpoint entry (applied at setup if not set up yet).
+
+        A checkpoint without the entry (saved in another mode) or from another world size resets them to zero, with
+        a warning: training goes on, but not bit-identically.
+        """
+        if self.mode != "demo":
+            return
+        initialized = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)
+        if entry is None or int(entry.get("world_size", -1)) != world:
+            found = "no error-feedback buffers" if entry is None else f"buffers of {entry.get('world_size')} ranks"
+            warnings.warn(
+                f"{self.owner}(mode='demo'): the checkpoint holds {found} for this {world}-rank run; the"
+                " error-feedback buffers start from zero (the resumed run is not bit-identical).",
+                stacklevel=2,
+            )
+            state: dict[str, Tensor] = {}
+        else:
+            state = dict(entry["ranks"][rank])
+        if self.exchange is None:
+            self._pending_exchange_state = state
+        else:
+            self.exchange.load_state_dict(state)
+
+    def slice_model_state(self, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """A full model state dict cut to this rank's widths (unchanged when this rank is not sliced)."""
+        return slice_model_state(state, self.ffn_params, self.local_widths) if self.sliced else state
+
+    def slice_optimizer_state(self, state: Mapping[str, Any], optimizer: Optimizer, module: nn.Module) -> Any:
+        """Rank 0's optimizer state cut to this rank's sliced parameters (unchanged when this rank is not sliced)."""
+        return slice_optimizer_state(state, optimizer, module, self.ffn_params) if self.sliced else state

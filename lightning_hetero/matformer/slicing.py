@@ -8,7 +8,7 @@ A tier ``t`` keeps the first ``w = h >> t`` hidden units of every FFN (or a widt
 the full parameters and runs the same prefix math on views of them, so autograd writes into the prefix of the full
 ``.grad`` and leaves the suffix exactly zero. ``prefix_state_dict`` / ``scatter_prefix_into_full`` (and ``pad_prefix``,
 ``embed_prefix``) move weights between the two shapes without building models; they live in
-:mod:`lightning_hetero.matformer.prefix_state` and are re-exported here.
+:mod:`lightning_hetero.matformer.prefix_state`.
 """
 
 from __future__ import annotations
@@ -32,25 +32,9 @@ from lightning_hetero.matformer.adapters import (
     find_ffns,
     intermediate_size_field,
 )
-from lightning_hetero.matformer.prefix_state import (
-    embed_prefix,
-    pad_prefix,
-    prefix_state_dict,
-    scatter_prefix_into_full,
-)
 from lightning_hetero.matformer.types import tier_width
 
-__all__ = [
-    "apply_widths",
-    "embed_prefix",
-    "mask_suffix_gradients",
-    "pad_prefix",
-    "prefix_state_dict",
-    "resolve_widths",
-    "scatter_prefix_into_full",
-    "slice_model",
-    "tier_view",
-]
+__all__ = ["apply_widths", "mask_suffix_gradients", "resolve_widths", "slice_model", "tier_view"]
 
 
 def resolve_widths(

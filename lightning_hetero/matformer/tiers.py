@@ -6,9 +6,9 @@ exactly the ranks whose prefix covers it. A helper rank (tier > 0) may also trai
 neurons. Every rank computes all of this identically from the static configuration and the step, so none of it is
 ever communicated. :mod:`lightning_hetero.matformer.aggregate` turns it into process groups and all-reduces.
 
-This module holds the aggregation modes, the per-rank weights and the byte accounting, and re-exports the layout
+This module holds the aggregation modes, the per-rank weights and the byte accounting; the layout
 (:mod:`~lightning_hetero.matformer.layout`), regions (:mod:`~lightning_hetero.matformer.regions`) and helper draws
-(:mod:`~lightning_hetero.matformer.helper_ranks`) it builds on.
+(:mod:`~lightning_hetero.matformer.helper_ranks`) it builds on live in their own modules.
 """
 
 from __future__ import annotations
@@ -19,40 +19,20 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lightning_hetero.comm.ledger import wire_bytes
-from lightning_hetero.matformer.helper_ranks import (
-    HelperConfig,
-    drawn_neurons,
-    helper_count,
-    helper_neurons,
-    helper_windows_for_full_coverage,
-    trained_neurons,
-    validate_helpers,
-)
-from lightning_hetero.matformer.layout import TierLayout, widths_for
-from lightning_hetero.matformer.regions import Region, layer_regions, regions
+from lightning_hetero.matformer.helper_ranks import HelperConfig, drawn_neurons
+from lightning_hetero.matformer.layout import TierLayout
+from lightning_hetero.matformer.regions import layer_regions
 from lightning_hetero.matformer.types import FFNParameter
 
 __all__ = [
     "MODES",
-    "HelperConfig",
-    "Region",
-    "TierLayout",
     "TierWeights",
     "bucket_numels",
     "bytes_per_step",
     "check_mode",
     "contributor_counts",
     "contributor_weights",
-    "drawn_neurons",
-    "helper_count",
-    "helper_neurons",
-    "helper_windows_for_full_coverage",
-    "layer_regions",
     "rank_weights",
-    "regions",
-    "trained_neurons",
-    "validate_helpers",
-    "widths_for",
     "wire_dtype",
 ]
 

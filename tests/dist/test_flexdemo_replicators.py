@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
-from lightning_hetero.flexdemo import DecoupledAdamW, DeMoSGD, build_replicator
+from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD
+from lightning_hetero.replication import build_replicator
 from lightning_hetero.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,15 +16,11 @@ from torch import nn
 
 from lightning_hetero import comm
 from lightning_hetero.comm import ByteLedger
-from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
-from lightning_hetero.matformer.tiers import (
-    HelperConfig,
-    bucket_numels,
-    bytes_per_step,
-    helper_neurons,
-    trained_neurons,
-    widths_for,
-)
+from lightning_hetero.matformer.aggregate import aggregate_gradients
+from lightning_hetero.matformer.helper_ranks import HelperConfig, helper_neurons, trained_neurons
+from lightning_hetero.matformer.layout import widths_for
+from lightning_hetero.matformer.region_groups import RegionGroups
+from lightning_hetero.matformer.tiers import bucket_numels, bytes_per_step
 from lightning_hetero.matformer.types import FFNParameter
 from lightning_hetero.testing import run_distributed
 

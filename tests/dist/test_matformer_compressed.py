@@ -21,14 +21,16 @@ import torch
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER, get_ledger
 from lightning_hetero.comm.validation import PeerPayloadError
-from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.compressed import (
     CHECKPOINT_LABEL,
     CompressedExchange,
     demo_bytes_per_step,
     demo_payload_bytes,
 )
-from lightning_hetero.matformer.tiers import HelperConfig, widths_for
+from lightning_hetero.matformer.helper_ranks import HelperConfig
+from lightning_hetero.matformer.layout import widths_for
+from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.types import FFNParameter
 from lightning_hetero.testing import run_distributed
 

@@ -3,8 +3,8 @@
 The ranks form a ``("replicate", "shard")`` mesh of shape ``(nodes, ranks per node)`` (or ``shard_size`` ranks per
 model copy). Each copy is sharded with FSDP2 on its ``"shard"`` sub-mesh, so gradients are reduce-scattered inside
 the node during backward and nothing is averaged across nodes by FSDP or DDP. The optimizer (a
-:class:`~lightning_hetero.flexdemo.optim.ReplicatingOptimizer`, converted from the user's AdamW/Adam/SGD) exchanges a
-compressed update over the replicate group instead, started per block during backward (``overlap``).
+:class:`~lightning_hetero.flexdemo.replicating.ReplicatingOptimizer`, converted from the user's AdamW/Adam/SGD)
+exchanges a compressed update over the replicate group instead, started per block during backward (``overlap``).
 
 How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP wrapper):
 

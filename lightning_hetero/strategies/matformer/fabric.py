@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import runtime_arguments
+from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
-from lightning_hetero.matformer.tiers import TierLayout
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["MatFormerStrategy"]

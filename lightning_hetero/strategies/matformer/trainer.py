@@ -29,8 +29,8 @@ from typing_extensions import override
 
 from lightning_hetero import comm
 from lightning_hetero.core import runtime_arguments
+from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
-from lightning_hetero.matformer.tiers import TierLayout
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lightning_hetero.callbacks import MatFormerSampler, TierEvaluation, TierExport
-from lightning_hetero.callbacks.tiers import default_tiers, find_hf_model
+from lightning_hetero.callbacks.tier_common import default_tiers, find_hf_model
 from lightning_hetero.data.base import FixedOrderSampler, fair_prefix
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.slicing import tier_view

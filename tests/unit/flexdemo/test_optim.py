@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_hetero.flexdemo import DecoupledAdamW, DeMoSGD, build_replicator
-from lightning_hetero.flexdemo.transforms import ChunkedDCT
+from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD
+from lightning_hetero.replication import build_replicator
+from lightning_hetero.replication.transforms import ChunkedDCT
 
 
 def _param(
@@ -185,3 +186,10 @@ def test_dtensor_parameters_update_their_local_shard() -> None:
         assert torch.equal(sharded.to_local(), reference_param.detach())
         with torch.no_grad():
             sharded.to_local().copy_(plain.detach())
+
+
+def test_replicator_cannot_be_shared_between_optimizers() -> None:
+    replicator = build_replicator("demo")
+    DeMoSGD([torch.nn.Parameter(torch.zeros(2))], replicator=replicator)
+    with pytest.raises(ValueError, match="already used by another optimizer"):
+        DeMoSGD([torch.nn.Parameter(torch.zeros(2))], replicator=replicator)

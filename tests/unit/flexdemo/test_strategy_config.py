@@ -19,11 +19,11 @@ from transformers import (
 from lightning_hetero.flexdemo.conversion import convert_optimizer, repoint_scheduler
 from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
-from lightning_hetero.flexdemo.replicators import build_replicator
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.sharding import find_blocks, sharding_units
 from lightning_hetero.flexdemo.topology import Topology, resolve_shard_size
 from lightning_hetero.models.presets import build_config
+from lightning_hetero.replication import build_replicator
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from lightning_hetero.comm import ByteLedger, get_ledger
-from lightning_hetero.matformer.aggregate import RegionGroups, aggregate_gradients
+from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.compressed import CompressedExchange, build_demo_replicator
-from lightning_hetero.matformer.tiers import HelperConfig, widths_for
+from lightning_hetero.matformer.helper_ranks import HelperConfig
+from lightning_hetero.matformer.layout import widths_for
+from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.types import FFNParameter
 
 UP = FFNParameter("up", 0, 8, 0)

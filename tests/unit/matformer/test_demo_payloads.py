@@ -15,10 +15,10 @@ import torch
 
 from lightning_hetero.comm.codecs import pack_indices, pack_values
 from lightning_hetero.comm.validation import PeerPayloadError
-from lightning_hetero.flexdemo.replicators import Bucket
-from lightning_hetero.matformer.aggregate import RegionGroups
 from lightning_hetero.matformer.compressed import CompressedExchange, _Launched, build_demo_replicator
-from lightning_hetero.matformer.tiers import widths_for
+from lightning_hetero.matformer.layout import widths_for
+from lightning_hetero.matformer.region_groups import RegionGroups
+from lightning_hetero.replication import Bucket
 
 MEMBERS = 3
 SENTINEL = -7.0

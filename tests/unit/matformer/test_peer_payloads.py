@@ -19,6 +19,7 @@ from lightning_hetero.matformer.compressed import (
     decode_error_feedback,
     sets_without_rank0,
 )
+from lightning_hetero.matformer.layout import widths_for
 from lightning_hetero.matformer.regions import layer_regions
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.schema import (
@@ -28,7 +29,6 @@ from lightning_hetero.matformer.schema import (
     canonical_hash,
     schema_hash,
 )
-from lightning_hetero.matformer.tiers import widths_for
 from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

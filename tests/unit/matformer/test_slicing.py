@@ -10,15 +10,13 @@ import transformers as tf
 from torch import nn
 
 from lightning_hetero.matformer.adapters import BASE_SIZE_KEY, TIER_KEY, WIDTHS_KEY, ffn_parameters, find_ffns
-from lightning_hetero.matformer.slicing import (
+from lightning_hetero.matformer.prefix_state import (
     embed_prefix,
-    mask_suffix_gradients,
     pad_prefix,
     prefix_state_dict,
     scatter_prefix_into_full,
-    slice_model,
-    tier_view,
 )
+from lightning_hetero.matformer.slicing import mask_suffix_gradients, slice_model, tier_view
 from tests.unit.matformer._tiny_hf import FAMILIES, H, dense_reference, logits, n_ffns
 
 TOL = {"atol": 1e-6, "rtol": 0.0}

@@ -7,24 +7,23 @@ import math
 import pytest
 import torch
 
-from lightning_hetero.matformer.tiers import (
+from lightning_hetero.matformer.helper_ranks import (
     HelperConfig,
-    Region,
-    TierLayout,
-    bytes_per_step,
-    check_mode,
-    contributor_counts,
-    contributor_weights,
     drawn_neurons,
     helper_count,
     helper_neurons,
     helper_windows_for_full_coverage,
-    layer_regions,
-    rank_weights,
-    regions,
     trained_neurons,
     validate_helpers,
-    widths_for,
+)
+from lightning_hetero.matformer.layout import TierLayout, widths_for
+from lightning_hetero.matformer.regions import Region, layer_regions, regions
+from lightning_hetero.matformer.tiers import (
+    bytes_per_step,
+    check_mode,
+    contributor_counts,
+    contributor_weights,
+    rank_weights,
     wire_dtype,
 )
 from lightning_hetero.matformer.types import FFNParameter

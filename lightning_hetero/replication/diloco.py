@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, validate_compression
-from lightning_hetero.flexdemo.replicators.dense import FullReplicator
-from lightning_hetero.flexdemo.replicators.sparse import DeMoReplicator
+from lightning_hetero.replication.base import Bucket, Piece, validate_compression
+from lightning_hetero.replication.dense import FullReplicator
+from lightning_hetero.replication.sparse import DeMoReplicator
 
 __all__ = ["DiLoCoReplicator"]
 

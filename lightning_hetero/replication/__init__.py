@@ -1,5 +1,8 @@
 """Replicators: how the local update of each replica is exchanged over the replicate (inter-node) group.
 
+The floor that FlexDeMo's optimizers and MatFormer's ``demo`` aggregation both build on: the chunked DCT
+(:mod:`~lightning_hetero.replication.transforms`) and the replicators (:mod:`~.base`, :mod:`~.sparse`, :mod:`~.dense`,
+:mod:`~.diloco`). It imports only torch and :mod:`lightning_hetero.comm`, never a method package.
 ``build_replicator(name, compression, **options)`` builds one by name; :data:`REPLICATORS` maps names to classes.
 See ``docs/flexdemo.md`` for the math and the payload formulas.
 """
@@ -9,15 +12,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from lightning_hetero.flexdemo.replicators.base import Bucket, Piece, Replicator, kept_count, validate_compression
-from lightning_hetero.flexdemo.replicators.dense import (
+from lightning_hetero.replication.base import Bucket, Piece, Replicator, kept_count, validate_compression
+from lightning_hetero.replication.dense import (
     FullReplicator,
     RandomReplicator,
     StridingReplicator,
     coordinate_schedule,
 )
-from lightning_hetero.flexdemo.replicators.diloco import DiLoCoReplicator
-from lightning_hetero.flexdemo.replicators.sparse import COMBINE_MODES, DeMoReplicator, TopKReplicator
+from lightning_hetero.replication.diloco import DiLoCoReplicator
+from lightning_hetero.replication.sparse import COMBINE_MODES, DeMoReplicator, TopKReplicator
 
 __all__ = [
     "COMBINE_MODES",

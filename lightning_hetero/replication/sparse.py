@@ -35,8 +35,8 @@ from lightning_hetero.comm.codecs import (
     validate_index_bits,
     value_nbytes,
 )
-from lightning_hetero.flexdemo.replicators.base import Piece, Replicator, kept_count
-from lightning_hetero.flexdemo.transforms import ChunkedDCT, FlatChunks
+from lightning_hetero.replication.base import Piece, Replicator, kept_count
+from lightning_hetero.replication.transforms import ChunkedDCT, FlatChunks
 
 __all__ = ["COMBINE_MODES", "DeMoReplicator", "TopKReplicator"]
 

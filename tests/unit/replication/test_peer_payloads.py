@@ -19,10 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.comm.codecs import pack_indices, pack_values
-from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.flexdemo.optim import DecoupledAdamW
-from lightning_hetero.flexdemo.replicators import Bucket, DeMoReplicator, FullReplicator, Piece, build_replicator
-from lightning_hetero.flexdemo.replicators.base import PeerPayloadError
+from lightning_hetero.replication import Bucket, DeMoReplicator, FullReplicator, Piece, build_replicator
 from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -44,7 +44,6 @@ from lightning_hetero.comm.validation import (
 
 __all__ = [
     "Bucket",
-    "PeerPayloadError",
     "Piece",
     "Replicator",
     "check_combined",

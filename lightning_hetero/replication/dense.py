@@ -28,7 +28,7 @@ import torch
 
 from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_peer_values, value_nbytes
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
-from lightning_hetero.flexdemo.replicators.base import (
+from lightning_hetero.replication.base import (
     PeerPayloadError,
     Piece,
     Replicator,

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_hetero.flexdemo import REPLICATORS, build_replicator
-from lightning_hetero.flexdemo.replicators import coordinate_schedule, kept_count
+from lightning_hetero.replication import REPLICATORS, build_replicator, coordinate_schedule, kept_count
 
 
 # --------------------------------------------------------------------------------------------------- errors
@@ -167,12 +166,3 @@ def test_empty_and_scalar_shards(device: torch.device) -> None:
         assert combined[0].shape == (0, 3) and combined[1].shape == ()
         assert all(tensor.device == device for tensor in combined), name
         assert replicator.payload_bytes([(0, 3)]) == 0
-
-
-def test_replicator_cannot_be_shared_between_optimizers() -> None:
-    from lightning_hetero.flexdemo import DeMoSGD
-
-    replicator = build_replicator("demo")
-    DeMoSGD([torch.nn.Parameter(torch.zeros(2))], replicator=replicator)
-    with pytest.raises(ValueError, match="already used by another optimizer"):
-        DeMoSGD([torch.nn.Parameter(torch.zeros(2))], replicator=replicator)

@@ -7,7 +7,7 @@ import pytest
 import scipy.fft
 import torch
 
-from lightning_hetero.flexdemo.transforms import ChunkedDCT, FlatChunks, dct_basis
+from lightning_hetero.replication.transforms import ChunkedDCT, FlatChunks, dct_basis
 
 
 def _reference_blocks(x: np.ndarray, chunk: int) -> np.ndarray:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hetero.flexdemo import DecoupledAdamW, build_replicator
-from lightning_hetero.flexdemo.replicators import DiLoCoReplicator
+from lightning_hetero.flexdemo.optim import DecoupledAdamW
+from lightning_hetero.replication import DiLoCoReplicator, build_replicator
 
 
 def _sync_once(replicator: DiLoCoReplicator, param: torch.Tensor, inner_update: torch.Tensor) -> torch.Tensor:
