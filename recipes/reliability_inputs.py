@@ -49,15 +49,15 @@ from lightning_hetero.comm.dump import load_ledger_dumps
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.core import load_part, part_file
 from lightning_hetero.core.state import decode_json_payload
-from lightning_hetero.flexdemo.replicators import build_replicator
 from lightning_hetero.lowbit.packing import load_packed
 from lightning_hetero.lowbit.sparse import decode_lists, mean_of_lists
 from lightning_hetero.lowbit.wire import decode_flips, decode_sparse, encode_flips, encode_sparse
 from lightning_hetero.matformer.aggregate import _check_reduced
 from lightning_hetero.matformer.compressed import _bucket_names, decode_error_feedback
 from lightning_hetero.matformer.schema import SchemaMismatchError, agree_on_schema, canonical_hash
-from lightning_hetero.subspace.checkpoint import decode_stage_state
-from lightning_hetero.subspace.codec import BoundaryCodec, pack_int8
+from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
+from lightning_hetero.pipeline.stage_gather import decode_stage_state
+from lightning_hetero.replication import build_replicator
 
 REPO = Path(__file__).resolve().parents[1]
 REFUSALS = (PeerPayloadError, SchemaMismatchError, ValueError, pickle.UnpicklingError)
@@ -397,11 +397,11 @@ def _subspace_forgery(kind: str) -> tuple[int, bytes | None]:
 def _gather_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1 forges what a stage (or a MatFormer rank) sends; rank 0 runs the real gather. One verdict per case."""
     from lightning_hetero import comm
-    from lightning_hetero.matformer.aggregate import RegionGroups
     from lightning_hetero.matformer.compressed import CHECKPOINT_LABEL, CompressedExchange
-    from lightning_hetero.matformer.tiers import widths_for
-    from lightning_hetero.subspace.checkpoint import EXPORT_LABEL, gather_stage_states
-    from lightning_hetero.subspace.pipeline import PipelineLayout
+    from lightning_hetero.matformer.layout import widths_for
+    from lightning_hetero.matformer.region_groups import RegionGroups
+    from lightning_hetero.pipeline.layout import PipelineLayout
+    from lightning_hetero.pipeline.stage_gather import EXPORT_LABEL, gather_stage_states
 
     verdicts: dict[str, Any] = {}
 
