@@ -22,7 +22,7 @@ from lightning_hetero.strategies.registry import (
 _LAZY = {
     "TrainerStrategyBase": "lightning_hetero.strategies.lifecycle",
     "FabricStrategyBase": "lightning_hetero.strategies.lifecycle",
-    "destroy_process_group_at_exit": "lightning_hetero.strategies.lifecycle",
+    "destroy_process_group_at_exit": "lightning_hetero.reliability.shutdown",
 }
 
 __all__ = [
