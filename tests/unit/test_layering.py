@@ -1,7 +1,7 @@
 """The house rules of the package layout (docs/architecture.md), each checked on the source:
 
 - method packages (one algorithm each) never import one another: what two of them share lives on a floor;
-- the framework-free packages (methods, floors, reliability) never import Lightning or the Lightning layer;
+- the framework-free packages (methods and floors) never import Lightning or the Lightning layer;
 - the shared floors import no method package;
 - no import cycles, between modules or between packages;
 - no module that only re-exports another (no compatibility shims at old paths);
@@ -23,9 +23,9 @@ PACKAGE = "lightning_hetero"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 METHOD_PACKAGES = ("flexdemo", "layerwise", "lowbit", "matformer", "subspace")
 """One algorithm each; never import one another."""
-SHARED_FLOORS = ("comm", "core", "hf", "pipeline", "replication")
+SHARED_FLOORS = ("comm", "core", "hf", "pipeline", "reliability", "replication")
 """Pieces that several methods use; import no method package."""
-FRAMEWORK_FREE = (*METHOD_PACKAGES, *SHARED_FLOORS, "reliability")
+FRAMEWORK_FREE = (*METHOD_PACKAGES, *SHARED_FLOORS)
 """Framework-free: torch (and transformers where a model family needs it), never Lightning."""
 LIGHTNING_LAYER = ("strategies", "callbacks", "models", "data", "cli", "fabric", "__main__")
 """The Lightning layer (and what only it uses)."""
