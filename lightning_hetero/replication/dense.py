@@ -27,14 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_peer_values, value_nbytes
-from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE
-from lightning_hetero.replication.base import (
-    PeerPayloadError,
-    Piece,
-    Replicator,
-    check_combined,
-    kept_count,
-)
+from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
+from lightning_hetero.replication.base import Piece, Replicator, check_combined, kept_count
 
 __all__ = ["FullReplicator", "RandomReplicator", "StridingReplicator", "coordinate_schedule"]
 
