@@ -39,9 +39,9 @@ from typing_extensions import override
 
 from lightning_hetero.core import runtime_arguments
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-from lightning_hetero.strategies.pipeline_common import METRICS_LABEL, PipelineTrainerStrategy
+from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 
-__all__ = ["METRICS_LABEL", "LayerwiseStrategy"]
+__all__ = ["LayerwiseStrategy"]
 
 
 class LayerwiseStrategy(PipelineTrainerStrategy):

@@ -35,11 +35,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.core import runtime_arguments
-from lightning_hetero.strategies.pipeline_common import METRICS_LABEL, PipelineTrainerStrategy
+from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 
-__all__ = ["METRICS_LABEL", "SubspacePipelineStrategy"]
+__all__ = ["SubspacePipelineStrategy"]
 
 
 class SubspacePipelineStrategy(PipelineTrainerStrategy):
