@@ -128,7 +128,7 @@ def test_bench_codec_times_every_phase_of_the_demo_codec(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_hetero.flexdemo.replicators import build_replicator
+    from lightning_hetero.replication import build_replicator
     from lightning_hetero.models import build_config
 
     with torch.device("meta"):
