@@ -113,20 +113,6 @@ def test_fit_runs_a_module_with_its_own_dataloaders(tmp_path, monkeypatch):
     assert cli.trainer.global_step == 2
 
 
-def test_our_data_modules_stay_selectable_by_short_name(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cli = build_cli(
-        [
-            "--model=CausalLMModule",
-            "--model.preset=gpt2-tiny",
-            "--data=ShakespeareDataModule",
-            "--trainer.logger=false",
-        ],
-        run=False,
-    )
-    assert type(cli.datamodule).__name__ == "ShakespeareDataModule"
-
-
 def _user_directory(tmp_path: Path) -> Path:
     work = tmp_path / "work"
     work.mkdir()
@@ -135,9 +121,12 @@ def _user_directory(tmp_path: Path) -> Path:
     return work
 
 
-def _environment() -> dict[str, str]:
+def _fit(work: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
+    """``python <launcher> fit --config x.yaml`` in ``work``."""
     # The package is importable (as after `pip install -e .`), the user's directory is not on PYTHONPATH.
-    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, *launcher, "fit", "--config", "x.yaml"]
+    return subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _train_losses(work: Path) -> list[float]:
@@ -151,14 +140,7 @@ def test_console_script_imports_the_users_module_from_the_working_directory(tmp_
     script = tmp_path / "bin" / "lightning-hetero"
     script.parent.mkdir()
     script.write_text(CONSOLE_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), "fit", "--config", "x.yaml"],
-        cwd=work,
-        env=_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _fit(work, str(script))
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(_train_losses(work)) == 3
 
@@ -166,14 +148,7 @@ def test_console_script_imports_the_users_module_from_the_working_directory(tmp_
 @pytest.mark.timeout(300)
 def test_python_dash_m_runs_the_users_module(tmp_path):
     work = _user_directory(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_hetero", "fit", "--config", "x.yaml"],
-        cwd=work,
-        env=_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _fit(work, "-m", "lightning_hetero")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _train_losses(work)
     assert len(losses) == 3 and losses[-1] < losses[0]

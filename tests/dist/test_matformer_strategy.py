@@ -13,7 +13,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -23,75 +22,20 @@ from lightning_hetero.fabric import MatFormerStrategy as FabricMatFormerStrategy
 from lightning_hetero.matformer import find_ffns
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
 from lightning_hetero.models import CausalLMModule
-from tests.token_data import VOCAB, progressions
+from tests.fixtures import TinyLlama, TokenData, fit_ranks
+from tests.token_data import TINY_LLAMA, progressions
 
-SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 CLIP = 0.5
 
 
-class TokenData(L.LightningDataModule):
-    """4 sequences, batch 2: every epoch is one batch per rank, the same one (each rank has its own two sequences).
-
-    So the batch of a step does not depend on how Lightning re-enters an epoch on resume (its data-loop bookkeeping,
-    not ours); the resume test then checks exactly what the strategy restores: parameters and optimizer state.
-    """
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(progressions(4), batch_size=2, shuffle=False)
-
-
-class TinyLlamaModule(L.LightningModule):
-    """A user's own LightningModule holding an HF model built in ``__init__`` (constant-LR AdamW)."""
-
-    def __init__(self, hidden_size_by_rank: dict[int, int] | None = None) -> None:
-        super().__init__()
-        self.hidden_size_by_rank = hidden_size_by_rank
-        self.model: LlamaForCausalLM | None = None
-        if hidden_size_by_rank is None:
-            torch.manual_seed(0)
-            self.model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=False))
-
-    def configure_model(self) -> None:
-        if self.model is None:  # the schema test: each rank builds its own (different) model
-            hidden = self.hidden_size_by_rank[self.global_rank]
-            config = LlamaConfig(**{**SMALL, "hidden_size": hidden}, **SMALL_HEADS)
-            self.model = LlamaForCausalLM(config)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-class Recorder(Callback):
-    """Writes each rank's losses, tier, FFN size, parameters and optimizer state; optionally checkpoints step 4."""
-
-    def __init__(self, out: Path, checkpoint: Path | None = None) -> None:
-        self.out, self.checkpoint, self.losses = out, checkpoint, []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checkpoint is not None and trainer.global_step == 4:  # where ModelCheckpoint would save
-            trainer.save_checkpoint(self.checkpoint)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Runs before the strategy's on_train_end, which gives every rank the full model back.
-        record = {
-            "tier": getattr(trainer.strategy, "tier", None),
-            "losses": self.losses,
-            "ffn_numel": sum(p.numel() for b in find_ffns(pl_module) for p in _params(pl_module, b)),
-            "ffn_width": find_ffns(pl_module)[0].width,
-            "state": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+def _matformer_fields(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """This rank's tier and FFN size (runs before the strategy's on_train_end, which gives every rank the full model
+    back)."""
+    return {
+        "tier": getattr(trainer.strategy, "tier", None),
+        "ffn_numel": sum(p.numel() for b in find_ffns(pl_module) for p in _params(pl_module, b)),
+        "ffn_width": find_ffns(pl_module)[0].width,
+    }
 
 
 def _params(module: torch.nn.Module, block: Any) -> list[torch.Tensor]:
@@ -108,22 +52,23 @@ def _fit(
     ckpt_path: Path | None = None,
     gradient_clip_val: float | None = None,
 ) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Recorder(out, checkpoint)],
+    """4 sequences, batch 2: every epoch is one batch per rank, the same one (each rank has its own two sequences).
+
+    So the batch of a step does not depend on how Lightning re-enters an epoch on resume (its data-loop bookkeeping,
+    not ours); the resume test then checks exactly what the strategy restores: parameters and optimizer state.
+    """
+    data = TokenData(4, batch_size=2)
+    return fit_ranks(
+        out,
+        module,
+        data,
+        strategy,
+        max_steps,
+        checkpoint,
+        ckpt_path,
+        recorder={"fields": _matformer_fields},
         gradient_clip_val=gradient_clip_val,
     )
-    trainer.fit(module, TokenData(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +76,7 @@ def tiered_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     """Tiers [0, 1] for 8 uninterrupted steps, with norm clipping (active: the norms exceed 0.5) and tier losses."""
     out = tmp_path_factory.mktemp("tiered")
     strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn", log_tier_losses=True)
-    return _fit(out, TinyLlamaModule(), strategy, max_steps=8, gradient_clip_val=CLIP)
+    return _fit(out, TinyLlama(), strategy, max_steps=8, gradient_clip_val=CLIP)
 
 
 @pytest.mark.timeout(120)
@@ -150,7 +95,7 @@ def test_tiers_train_both_and_tier1_holds_half_the_ffn(tiered_run):
         assert record["metrics"]["train/loss_tier1"] == pytest.approx(tier1["losses"][-1], rel=1e-6)
     # The shared (non-FFN) weights stay bitwise identical (one all-reduce per region and one clipping coefficient
     # for all ranks), and tier 1's FFN is exactly tier 0's prefix.
-    ffn = {spec.name: spec for block in find_ffns(TinyLlamaModule()) for spec in block.parameters}
+    ffn = {spec.name: spec for block in find_ffns(TinyLlama()) for spec in block.parameters}
     for name, value in tier0["state"].items():
         other = tier1["state"][name]
         expected = value.narrow(ffn[name].axis, 0, other.shape[ffn[name].axis]) if name in ffn else value
@@ -161,9 +106,9 @@ def test_tiers_train_both_and_tier1_holds_half_the_ffn(tiered_run):
 def test_resume_is_bit_identical_on_every_rank(tiered_run, tmp_path):
     checkpoint = tmp_path / "step4.ckpt"
     strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn")
-    _fit(tmp_path / "first", TinyLlamaModule(), strategy, 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
+    _fit(tmp_path / "first", TinyLlama(), strategy, 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
     strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn")
-    resumed = _fit(tmp_path / "resumed", TinyLlamaModule(), strategy, 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
+    resumed = _fit(tmp_path / "resumed", TinyLlama(), strategy, 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
     for rank, (straight, again) in enumerate(zip(tiered_run, resumed, strict=True)):
         assert again["losses"] == straight["losses"][4:], rank
         assert straight["state"].keys() == again["state"].keys()
@@ -183,21 +128,21 @@ def test_demo_mode_trains_both_tiers_and_resumes_bit_identically(tmp_path):
     def strategy() -> MatFormerStrategy:
         return MatFormerStrategy(tiers=[0, 1], mode="demo", compression=0.25, start_method="spawn")
 
-    straight = _fit(tmp_path / "straight", TinyLlamaModule(), strategy(), 8, gradient_clip_val=CLIP)
+    straight = _fit(tmp_path / "straight", TinyLlama(), strategy(), 8, gradient_clip_val=CLIP)
     for record in straight:
         assert sum(record["losses"][-2:]) / 2 < record["losses"][0] - 0.3, record["losses"]
-    ffn = {spec.name: spec for block in find_ffns(TinyLlamaModule()) for spec in block.parameters}
+    ffn = {spec.name: spec for block in find_ffns(TinyLlama()) for spec in block.parameters}
     for name, value in straight[0]["state"].items():
         other = straight[1]["state"][name]
         expected = value.narrow(ffn[name].axis, 0, other.shape[ffn[name].axis]) if name in ffn else value
         assert torch.equal(other, expected), name
     checkpoint = tmp_path / "step4.ckpt"
-    _fit(tmp_path / "first", TinyLlamaModule(), strategy(), 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
+    _fit(tmp_path / "first", TinyLlama(), strategy(), 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
     buffers = torch.load(checkpoint, weights_only=True)[CHECKPOINT_KEY]
     # One buffer per rank: the 2-rank bucket (tier 0's suffix has one member, sent exactly, no buffer).
     assert buffers["world_size"] == 2 and buffers["ranks"][0].keys() == buffers["ranks"][1].keys()
     assert len(buffers["ranks"][0]) == 1 and not torch.equal(*(next(iter(r.values())) for r in buffers["ranks"]))
-    resumed = _fit(tmp_path / "resumed", TinyLlamaModule(), strategy(), 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
+    resumed = _fit(tmp_path / "resumed", TinyLlama(), strategy(), 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
     for rank, (first, again) in enumerate(zip(straight, resumed, strict=True)):
         assert again["losses"] == first["losses"][4:], rank
         for name, value in first["state"].items():
@@ -211,7 +156,7 @@ def test_helpers_on_full_weights_keep_every_replica_identical(tmp_path):
     strategy = MatFormerStrategy(
         tiers=[0, 1], slice_weights=False, helper_fraction=0.5, helper_redraw_every=2, start_method="spawn"
     )
-    tier0, tier1 = _fit(tmp_path, TinyLlamaModule(), strategy, max_steps=6, gradient_clip_val=CLIP)
+    tier0, tier1 = _fit(tmp_path, TinyLlama(), strategy, max_steps=6, gradient_clip_val=CLIP)
     assert (tier0["tier"], tier1["tier"], tier1["ffn_width"]) == (0, 1, 64)  # full-size weights on tier 1
     assert tier0["losses"] != tier1["losses"]  # tier 1 ran its own (masked) forward
     for record in (tier0, tier1):
@@ -221,9 +166,7 @@ def test_helpers_on_full_weights_keep_every_replica_identical(tmp_path):
 
 
 def _reference_module() -> CausalLMModule:
-    return CausalLMModule(
-        preset="llama-tiny", config={**SMALL, **SMALL_HEADS}, learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0
-    )
+    return CausalLMModule(preset="llama-tiny", config=TINY_LLAMA, learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
 
 
 @pytest.mark.timeout(180)
@@ -240,14 +183,14 @@ def test_all_tier0_equals_ddp_on_the_reference_module(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_schema_mismatch_names_ranks_and_fields(tmp_path):
-    module = TinyLlamaModule(hidden_size_by_rank={0: 32, 1: 48})
+    module = TinyLlama(hidden_size_by_rank={0: 32, 1: 48})
     with pytest.raises(Exception, match=r"(?s)rank\(s\) 1 differs from rank 0.*hidden_size: 48 \(rank 1\) != 32"):
         _fit(tmp_path, module, MatFormerStrategy(tiers=[0, 1], start_method="spawn"), max_steps=2)
 
 
 def _fabric_train(fabric: Fabric, out: Path) -> None:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=False))
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, tie_word_embeddings=False))
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = fabric.setup_dataloaders(DataLoader(progressions(16), batch_size=2, shuffle=True))

@@ -15,17 +15,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
-VOCAB = 64
+from tests.token_data import VOCAB, progression_ids
 
 
 class Progressions(Dataset):
     """Arithmetic progressions mod ``VOCAB``: learnable in a few steps. Items are HF-style dicts."""
 
     def __init__(self, count: int, length: int = 16, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, VOCAB, (count,), generator=generator)
-        strides = torch.randint(1, 5, (count,), generator=generator)
-        self.ids = (starts[:, None] + torch.arange(length)[None] * strides[:, None]) % VOCAB
+        self.ids = progression_ids(count, length, seed)
 
     def __len__(self) -> int:
         return len(self.ids)

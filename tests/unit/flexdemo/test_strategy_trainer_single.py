@@ -15,82 +15,48 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
 from lightning_hetero.models import CausalLMModule
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
-from tests.token_data import VOCAB, progressions
-
-SMALL = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-}
+from tests.fixtures import Recorder, ValidatedTokenData, quiet_trainer
+from tests.token_data import TINY_LLAMA
 
 
-class Progressions(L.LightningDataModule):
+def _data() -> ValidatedTokenData:
     """One batch of arithmetic progressions mod VOCAB per epoch (the same every epoch).
 
     One batch per epoch keeps the resume check about what the strategy restores: where Lightning re-enters an epoch
     after an end-of-epoch checkpoint is its data-loop bookkeeping, not ours.
     """
-
-    def _loader(self) -> DataLoader:
-        return DataLoader(progressions(8), batch_size=8)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader()
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader()
+    return ValidatedTokenData(8, batch_size=8)
 
 
-class Recorder(Callback):
-    """Losses and final state; with ``checkpoint``, saves there at the end of the epoch that reaches step 4."""
+def _final(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    return {
+        "params": {name: p.detach().clone() for name, p in pl_module.named_parameters()},
+        "optimizer": type(trainer.optimizers[0]).__name__,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "scheduler_optimizer": trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0],
+    }
 
-    def __init__(self, checkpoint: Path | None = None) -> None:
-        self.checkpoint = checkpoint
-        self.losses: list[float] = []
-        self.final: dict[str, Any] = {}
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checkpoint is not None and trainer.global_step == 4:
-            trainer.save_checkpoint(self.checkpoint)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.final = {
-            "params": {name: p.detach().clone() for name, p in pl_module.named_parameters()},
-            "optimizer": type(trainer.optimizers[0]).__name__,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "scheduler_optimizer": trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0],
-        }
+def _recorder(checkpoint: Path | None = None) -> Recorder:
+    """Losses and final state (in memory); with ``checkpoint``, saves there at the end of the epoch reaching step 4."""
+    return Recorder(checkpoint=checkpoint, fields=_final, keep=())
 
 
 def _module() -> CausalLMModule:
     torch.manual_seed(0)
-    return CausalLMModule(preset="llama-tiny", config=SMALL, learning_rate=1e-2, warmup_steps=2, min_lr_ratio=0.5)
+    return CausalLMModule(preset="llama-tiny", config=TINY_LLAMA, learning_rate=1e-2, warmup_steps=2, min_lr_ratio=0.5)
 
 
 def _trainer(max_steps: int, recorder: Recorder, root: Path) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
+    return quiet_trainer(
         devices=1,
         strategy=FlexDeMoStrategy(replicator="full"),
         max_steps=max_steps,
         limit_val_batches=0,  # validation between steps perturbs CPU numerics by an ulp, with stock DDP too
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
         default_root_dir=root,
     )
@@ -99,18 +65,18 @@ def _trainer(max_steps: int, recorder: Recorder, root: Path) -> L.Trainer:
 @pytest.mark.timeout(300)
 def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
     checkpoint = tmp_path / "step4.ckpt"
-    straight = Recorder(checkpoint)
+    straight = _recorder(checkpoint)
     trainer = _trainer(8, straight, tmp_path)
     module = _module()
-    trainer.fit(module, Progressions())
-    assert straight.final["optimizer"] == "DecoupledAdamW"
-    assert straight.final["scheduler_optimizer"]
+    trainer.fit(module, _data())
+    assert straight.record["optimizer"] == "DecoupledAdamW"
+    assert straight.record["scheduler_optimizer"]
     assert sum(straight.losses[-2:]) / 2 < straight.losses[0] - 0.3, straight.losses
     assert trainer.callback_metrics["comm/inter_bytes_sent"] == 0
     evaluator = L.Trainer(
         accelerator="cpu", devices=1, strategy=FlexDeMoStrategy(), logger=False, enable_progress_bar=False
     )
-    (metrics,) = evaluator.validate(module, Progressions(), verbose=False)  # a validate-only run of the strategy
+    (metrics,) = evaluator.validate(module, _data(), verbose=False)  # a validate-only run of the strategy
     assert metrics["val/loss"] < straight.losses[0]
 
     assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
@@ -119,12 +85,12 @@ def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
     saved = torch.load(rank_file(checkpoint, 0), weights_only=False)
     assert "replicator" in saved["optimizer_states"][0]  # the replicator's state travels with the optimizer
 
-    resumed = Recorder()
-    _trainer(8, resumed, tmp_path).fit(_module(), Progressions(), ckpt_path=checkpoint)
+    resumed = _recorder()
+    _trainer(8, resumed, tmp_path).fit(_module(), _data(), ckpt_path=checkpoint)
     assert resumed.losses == straight.losses[4:]
-    assert resumed.final["lr"] == straight.final["lr"]
-    for name, value in straight.final["params"].items():
-        assert torch.equal(value, resumed.final["params"][name]), name
+    assert resumed.record["lr"] == straight.record["lr"]
+    for name, value in straight.record["params"].items():
+        assert torch.equal(value, resumed.record["params"][name]), name
 
 
 def test_meta_of_another_layout_is_read_and_a_damaged_one_refused(tmp_path):
@@ -147,30 +113,15 @@ def test_meta_of_another_layout_is_read_and_a_damaged_one_refused(tmp_path):
         read_meta(tmp_path, Topology(world_size=1, rank=0, shard_size=1), "FlexDeMoStrategy")
 
 
-class LossRecorder(Callback):
-    """Training losses of every batch."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def _fit_user_llama(strategy: Any, tmp_path: Path) -> tuple[L.Trainer, list[float], list[str]]:
     from tests.usercode.usernets import UserLlama
 
-    recorder = LossRecorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    recorder = Recorder(keep=())
+    trainer = quiet_trainer(
         devices=1,
         strategy=strategy,
         max_steps=6,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
         default_root_dir=tmp_path,
     )
