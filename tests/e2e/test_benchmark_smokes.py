@@ -128,8 +128,8 @@ def test_bench_codec_times_every_phase_of_the_demo_codec(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightning_hetero.replication import build_replicator
     from lightning_hetero.models import build_config
+    from lightning_hetero.replication import build_replicator
 
     with torch.device("meta"):
         shapes = [p.shape for p in AutoModelForCausalLM.from_config(build_config("llama-tiny")).parameters()]
