@@ -32,18 +32,9 @@ from lightning_hetero.flexdemo.checkpoint import load_local_module_state, local_
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.testing import run_distributed
+from tests.token_data import TINY_LLAMA, VOCAB
 
-VOCAB = 64
-CONFIG = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**TINY_LLAMA, "tie_word_embeddings": False}
 REPLICATORS = {
     "demo": {"chunk": 8, "values": "bf16"},
     "random": {},
