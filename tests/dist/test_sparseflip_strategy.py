@@ -9,16 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import SparseFlipStrategy
 from lightning_hetero.fabric import SparseFlipStrategy as FabricSparseFlipStrategy
+from tests.fixtures import fit_ranks
 from tests.unit.lowbit.test_strategy import DigitsMLP
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,44 +29,12 @@ def _dataset() -> TensorDataset:
     return TensorDataset(x, x[:, :4].argmax(dim=1).long())
 
 
-class Recorder(Callback):
-    def __init__(self, out: Path, checkpoint: Path | None = None) -> None:
-        self.out, self.checkpoint, self.flips = out, checkpoint, []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.flips.append(float(trainer.callback_metrics.get("lowbit/flips", -1)))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checkpoint is not None and trainer.global_step == 4:
-            trainer.save_checkpoint(self.checkpoint)
-            trainer.should_stop = True  # an interrupted 8-step run: its schedules (Bop's decay) are the full run's
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        record = {
-            "state": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "flips": self.flips,
-        }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
-
-
 def _fit(out: Path, max_steps: int, checkpoint: Path | None = None, ckpt_path: Path | None = None, **kwargs: Any):
-    out.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(0, verbose=False)
     strategy = SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, drift_check_every=2, start_method="spawn", **kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Recorder(out, checkpoint)],
-    )
-    trainer.fit(DigitsMLP(), DataLoader(_dataset(), batch_size=16), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    data = DataLoader(_dataset(), batch_size=16)
+    # stop_after_save: an interrupted 8-step run, its schedules (Bop's decay) are the full run's
+    recorder = {"stop_after_save": True, "series": {"flips": ("lowbit/flips", -1.0)}}
+    return fit_ranks(out, DigitsMLP, data, strategy, max_steps, checkpoint, ckpt_path, recorder=recorder)
 
 
 def _assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
