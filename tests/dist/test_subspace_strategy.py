@@ -13,74 +13,21 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_hetero import comm
 from lightning_hetero.models import CausalLMModule
 from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
 from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
-from tests.token_data import VOCAB, progressions
+from tests.fixtures import StrategyStepLlama, ValidatedTokenData, fit_ranks, pipeline_fields
+from tests.token_data import TINY_LLAMA, progressions
 
-SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-SMALL_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
 CLIP = 0.5
 
 
-class TokenData(L.LightningDataModule):
+def _data() -> ValidatedTokenData:
     """One batch of 4 sequences per epoch, the same every epoch (resume then depends only on the restored state)."""
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(progressions(4), batch_size=4, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(progressions(4), batch_size=4, shuffle=False)
-
-
-class TinyLlamaModule(L.LightningModule):
-    """A user's own LightningModule holding an HF Llama built in ``__init__`` (constant-LR AdamW)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=True))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        raise AssertionError("the strategy runs the schedule; the module's training_step is not called")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        raise AssertionError("defined only to switch validation on (Lightning's rule); the strategy runs it")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-class Recorder(Callback):
-    """Writes each rank's losses, logged metrics, parameters and optimizer state; optionally checkpoints step 4."""
-
-    def __init__(self, out: Path, checkpoint: Path | None = None) -> None:
-        self.out, self.checkpoint, self.losses, self.logged = out, checkpoint, [], []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-        self.logged.append(float(trainer.callback_metrics["train/loss"]))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checkpoint is not None and trainer.global_step == 4:  # where ModelCheckpoint would save
-            trainer.save_checkpoint(self.checkpoint)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        record = {
-            "stage": trainer.strategy.stage_index,
-            "losses": self.losses,
-            "logged": self.logged,
-            "state": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-            "optimizer": trainer.optimizers[0].state_dict(),
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "pipeline_bytes": comm.get_ledger().totals(comm.PIPELINE).sent,
-        }
-        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+    return ValidatedTokenData(4, batch_size=4)
 
 
 def _fit(
@@ -92,25 +39,21 @@ def _fit(
     ckpt_path: Path | None = None,
     validate: bool = False,
 ) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Recorder(out, checkpoint)],
+    """Each rank records its stage, losses, logged ``train/loss``, metrics, parameters and optimizer state."""
+    return fit_ranks(
+        out,
+        module,
+        _data(),
+        strategy,
+        max_steps,
+        checkpoint,
+        ckpt_path,
+        recorder={"fields": pipeline_fields, "series": {"logged": ("train/loss", None)}},
         gradient_clip_val=CLIP,
         limit_val_batches=1 if validate else 0,
         check_val_every_n_epoch=max_steps if validate else 1,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, TokenData(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 def _strategy(**kwargs: Any) -> SubspacePipelineStrategy:
@@ -123,7 +66,7 @@ def _strategy(**kwargs: Any) -> SubspacePipelineStrategy:
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """8 uninterrupted steps of the user's own module, with clipping (active: the norms exceed 0.5) and validation."""
     out = tmp_path_factory.mktemp("trainer")
-    return _fit(out, TinyLlamaModule(), _strategy(), max_steps=8, validate=True)
+    return _fit(out, StrategyStepLlama(), _strategy(), max_steps=8, validate=True)
 
 
 @pytest.mark.timeout(180)
@@ -146,12 +89,11 @@ def test_trainer_loss_falls_and_every_rank_logs_the_real_loss(trainer_run):
 
 def _one_process_losses(steps: int) -> list[float]:
     from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.model import constrained_model
-    from lightning_hetero.subspace.stages import causal_lm_loss
+    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
 
-    model = constrained_model(TinyLlamaModule().model, SubspaceConfig(rank=8), 2)
+    model = constrained_model(StrategyStepLlama().model, SubspaceConfig(rank=8), 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    batch = next(iter(TokenData().train_dataloader()))
+    batch = next(iter(_data().train_dataloader()))
     losses = []
     for _ in range(steps):
         loss = causal_lm_loss(model(None, batch["input_ids"]), batch["labels"])
@@ -168,8 +110,8 @@ def _one_process_losses(steps: int) -> list[float]:
 def test_trainer_resume_is_bit_identical_on_every_stage(tmp_path):
     """Subspace updates every 3 steps, checkpoint at step 4 (mid-interval: the statistic is part of the state)."""
     checkpoint = tmp_path / "step4.ckpt"
-    straight = _fit(tmp_path / "straight", TinyLlamaModule(), _strategy(update_every=3), 8, validate=True)
-    _fit(tmp_path / "first", TinyLlamaModule(), _strategy(update_every=3), 4, checkpoint=checkpoint)
+    straight = _fit(tmp_path / "straight", StrategyStepLlama(), _strategy(update_every=3), 8, validate=True)
+    _fit(tmp_path / "first", StrategyStepLlama(), _strategy(update_every=3), 4, checkpoint=checkpoint)
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "meta.json",
         "stage_0.pt",
@@ -178,7 +120,7 @@ def test_trainer_resume_is_bit_identical_on_every_stage(tmp_path):
         "stage_1.pt.sha256",
     ]
     resumed = _fit(
-        tmp_path / "resumed", TinyLlamaModule(), _strategy(update_every=3), 8, ckpt_path=checkpoint, validate=True
+        tmp_path / "resumed", StrategyStepLlama(), _strategy(update_every=3), 8, ckpt_path=checkpoint, validate=True
     )
     for rank, (first, again) in enumerate(zip(straight, resumed, strict=True)):
         assert again["losses"] == first["losses"][4:], rank
@@ -199,7 +141,7 @@ def test_trainer_resume_is_bit_identical_on_every_stage(tmp_path):
 def _reference_module() -> CausalLMModule:
     return CausalLMModule(
         preset="llama-tiny",
-        config={**SMALL, **SMALL_HEADS},
+        config=TINY_LLAMA,
         learning_rate=1e-2,
         warmup_steps=0,
         min_lr_ratio=1.0,
@@ -218,7 +160,7 @@ def test_trainer_runs_the_reference_causal_lm_module_with_gpipe(tmp_path):
 # ---------------------------------------------------------------------------------------------------------- Fabric
 def _fabric_train(fabric: Fabric, out: Path) -> None:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMALL, **SMALL_HEADS, tie_word_embeddings=False))
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, tie_word_embeddings=False))
     model = fabric.setup_module(model)  # becomes this rank's stage
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = fabric.setup_dataloaders(DataLoader(progressions(4), batch_size=4, shuffle=False))
