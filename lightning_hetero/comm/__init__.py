@@ -6,7 +6,6 @@ the dtypes gloo lacks. Nothing here imports Lightning.
 """
 
 from lightning_hetero.comm.collectives import (
-    REDUCE_OPS,
     all_gather,
     all_gather_into_tensor,
     all_reduce,
@@ -35,6 +34,7 @@ from lightning_hetero.comm.ledger import (
     wire_bytes,
 )
 from lightning_hetero.comm.units import BANDWIDTH_UNITS, format_bytes, parse_bandwidth, transfer_seconds
+from lightning_hetero.comm.wrapping import REDUCE_OPS
 
 register_exit_dump()  # no-op unless $LIGHTNING_HETERO_LEDGER_DIR is set (the bandwidth testbed sets it)
 

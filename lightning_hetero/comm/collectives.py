@@ -61,9 +61,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero.comm.dtypes import GLOO_NATIVE_DTYPES, as_wire_input, as_wire_output, reduction_wire
-from lightning_hetero.comm.ledger import COUNTED_OPS, ByteLedger, validate_label, wire_bytes
+from lightning_hetero.comm.ledger import ByteLedger, validate_label
 from lightning_hetero.comm.wrapping import (
-    REDUCE_OPS,
     TORCH_REDUCE_OPS,
     copy_local,
     finish,
@@ -76,8 +75,6 @@ from lightning_hetero.comm.wrapping import (
 )
 
 __all__ = [
-    "COUNTED_OPS",
-    "REDUCE_OPS",
     "CountedFSDPAllGather",
     "CountedFSDPReduceScatter",
     "all_gather",
@@ -91,7 +88,6 @@ __all__ = [
     "recv",
     "reduce_scatter_tensor",
     "send",
-    "wire_bytes",
 ]
 
 

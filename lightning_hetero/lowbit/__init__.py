@@ -3,7 +3,7 @@
 After the seed essay "Low-bit training" (issue 14): weights in ``{-1, 0, +1}`` or ``{-1, +1}`` with an fp scale,
 trained either through latent fp weights with a straight-through estimator (``mode="ste"``) or held only as int8 codes
 and moved by flip optimizers (``mode="flip"``; :class:`BopFlip` with trainable per-row scales trains best, see
-:mod:`lightning_hetero.lowbit.experiments`); the flip step can be distributed by exchanging thresholded sparse
+`recipes/lowbit_experiments.py`); the flip step can be distributed by exchanging thresholded sparse
 gradients through a parameter server or an all-gather (every byte through :mod:`lightning_hetero.comm`). Nothing here
 imports Lightning.
 """

@@ -31,16 +31,16 @@ from lightning_hetero.core import (
     process_rank_and_size,
 )
 from lightning_hetero.core.drift import check_replica_drift
-from lightning_hetero.lowbit.arguments import FLIP_RULES, NONFINITE_POLICIES, check_arguments
+from lightning_hetero.lowbit.arguments import check_arguments
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
 from lightning_hetero.lowbit.flip import CodeLayout, move_allowed
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.rules import BopRule, LocalBop, ThresholdRule, TopKRule
-from lightning_hetero.lowbit.runtime_state import CHECKPOINT_LABEL, SparseFlipStateMixin
+from lightning_hetero.lowbit.runtime_state import SparseFlipStateMixin
 from lightning_hetero.lowbit.sparse import SparseFlipExchange
 
-__all__ = ["CHECKPOINT_LABEL", "FLIP_RULES", "NONFINITE_POLICIES", "SparseFlipRuntime"]
+__all__ = ["SparseFlipRuntime"]
 
 
 class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):

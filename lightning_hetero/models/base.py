@@ -28,7 +28,6 @@ from lightning_hetero.models.optimization import WarmupCosineSchedule, validate_
 from lightning_hetero.models.presets import build_config, check_config_keys, preset_model_type
 from lightning_hetero.models.pretrained import (
     check_pretrained_compatibility,
-    dequantized_copy,
     load_pretrained,
     require_gguf_support,
 )
@@ -39,10 +38,6 @@ __all__ = [
     "DTYPES",
     "EVAL_STAGES",
     "HFModuleBase",
-    "WarmupCosineSchedule",
-    "check_pretrained_compatibility",
-    "dequantized_copy",
-    "load_pretrained",
 ]
 
 #: Accepted values of the ``dtype`` argument.

@@ -4,10 +4,10 @@ Framework-free (torch only); the Lightning pieces are :class:`lightning_hetero.c
 strategies' lifecycle. See ``docs/reliability.md``.
 """
 
+from lightning_hetero.core.checkpoint_dir import CorruptCheckpointError
 from lightning_hetero.reliability.checkpoints import (
     MANIFEST_SUFFIX,
     CheckpointScan,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
     NoGoodCheckpointError,
     UnverifiedCheckpointWarning,

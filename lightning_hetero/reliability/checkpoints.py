@@ -42,7 +42,6 @@ from lightning_hetero.core.checkpoint_dir import CHECKSUM_SUFFIX, CorruptCheckpo
 __all__ = [
     "MANIFEST_SUFFIX",
     "CheckpointScan",
-    "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "NoGoodCheckpointError",
     "UnverifiedCheckpointWarning",

@@ -40,7 +40,7 @@ from lightning_hetero.reliability.checkpoints import verify_resume_checkpoint
 from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit
 from lightning_hetero.reliability.timeouts import inherit_group_timeout
 
-__all__ = ["FabricStrategyBase", "TrainerStrategyBase", "destroy_process_group_at_exit"]
+__all__ = ["FabricStrategyBase", "TrainerStrategyBase"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 

@@ -12,18 +12,15 @@ import re
 import shutil
 
 from lightning_hetero.comm.units import parse_bandwidth
-from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 
 __all__ = [
     "MAX_NODES",
     "MIN_RATE_BITS_PER_SECOND",
     "UNTHROTTLED_WORDS",
-    "TbfParameters",
     "TestbedConfigError",
     "check_environment",
     "parse_latency",
     "parse_rate",
-    "tbf_parameters",
     "validate_layout",
 ]
 

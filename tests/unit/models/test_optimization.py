@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_hetero.models import CausalLMModule, ImageClassifierModule
-from lightning_hetero.models.base import WarmupCosineSchedule
+from lightning_hetero.models.optimization import WarmupCosineSchedule
 
 LEARNING_RATE, WARMUP, TOTAL, MIN_RATIO = 1e-3, 10, 50, 0.1
 

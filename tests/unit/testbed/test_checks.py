@@ -6,14 +6,13 @@ import pytest
 
 from lightning_hetero.testbed import checks
 from lightning_hetero.testbed.checks import (
-    TbfParameters,
     TestbedConfigError,
     check_environment,
     parse_latency,
     parse_rate,
-    tbf_parameters,
     validate_layout,
 )
+from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 
 
 @pytest.mark.parametrize(

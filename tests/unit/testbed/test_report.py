@@ -83,9 +83,10 @@ def test_build_report_wire_deltas_and_ratios(tmp_path):
 
 
 def test_ledger_dir_env_name_matches_the_dump_module():
-    from lightning_hetero.testbed.launch import LEDGER_DIR_ENV
+    from lightning_hetero.testbed import launch
 
-    assert LEDGER_DIR_ENV == comm_dump.LEDGER_DIR_ENV == "LIGHTNING_HETERO_LEDGER_DIR"
+    assert launch.LEDGER_DIR_ENV is comm_dump.LEDGER_DIR_ENV  # the launcher sets the variable the dump reads
+    assert comm_dump.LEDGER_DIR_ENV == "LIGHTNING_HETERO_LEDGER_DIR"
 
 
 def test_owner_liveness(monkeypatch, tmp_path):
