@@ -15,7 +15,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -24,87 +23,40 @@ from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed
-from tests.token_data import VOCAB, progressions
+from tests.fixtures import Recorder, TinyLlama, ValidatedTokenData, quiet_trainer
+from tests.token_data import TINY_LLAMA, progressions
 
-CONFIG = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**TINY_LLAMA, "tie_word_embeddings": False}
 WORLD = 4
 
 
-class TokenData(L.LightningDataModule):
+def _data(batches: int = 1) -> ValidatedTokenData:
     """``batches`` batches of 2 per rank and epoch (the same every epoch, so resuming at an epoch end is exact)."""
-
-    def __init__(self, batches: int = 1) -> None:
-        super().__init__()
-        self.batches = batches
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(progressions(2 * WORLD * self.batches), batch_size=2, shuffle=False)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(progressions(2 * WORLD), batch_size=2, shuffle=False)
+    return ValidatedTokenData(2 * WORLD * batches, batch_size=2, val_count=2 * WORLD)
 
 
-class TinyLlama(L.LightningModule):
-    """A user's LightningModule: HF model built in ``__init__``, torch AdamW + a step LR schedule."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self.model(**batch).loss, sync_dist=True)  # root parameters gathered by the strategy
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+def _flexdemo_fields(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """dtypes, this rank's parameter shards, the converted optimizer and the schedule's learning rate."""
+    optimizer = trainer.optimizers[0]
+    return {
+        "state_dtypes": sorted({str(v.dtype) for st in optimizer.state.values() for v in st.values() if v.dim()}),
+        "param_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
+        "params": {n: local_tensor(p).detach().clone() for n, p in pl_module.named_parameters()},
+        "optimizer_class": type(optimizer).__name__,
+        "scheduler_lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+        "optimizer_lr": optimizer.param_groups[0]["lr"],
+    }
 
 
-class Recorder(Callback):
-    """Collects losses and comm metrics; saves a checkpoint at step ``save_at``; keeps the final state."""
-
-    def __init__(self, checkpoint: Path | None = None, save_at: int = 3) -> None:
-        self.checkpoint, self.save_at = checkpoint, save_at
-        self.losses: list[float] = []
-        self.launched: list[float] = []
-        self.final: dict[str, Any] = {}
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-        if "comm/launched_early" in trainer.callback_metrics:
-            self.launched.append(float(trainer.callback_metrics["comm/launched_early"]))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.checkpoint is not None and trainer.global_step == self.save_at:
-            trainer.save_checkpoint(self.checkpoint)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        self.final = {
-            "state_dtypes": sorted({str(v.dtype) for st in optimizer.state.values() for v in st.values() if v.dim()}),
-            "param_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
-            "params": {n: local_tensor(p).detach().clone() for n, p in pl_module.named_parameters()},
-            "optimizer": optimizer.state_dict(),
-            "optimizer_class": type(optimizer).__name__,
-            "scheduler_lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
-            "optimizer_lr": optimizer.param_groups[0]["lr"],
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        }
+def _recorder(checkpoint: Path | None = None) -> Recorder:
+    """Losses, comm metrics and the final state (in memory); saves a checkpoint at step 3."""
+    return Recorder(
+        checkpoint=checkpoint,
+        save_at=3,
+        series={"launched": ("comm/launched_early", None)},
+        fields=_flexdemo_fields,
+        keep=("optimizer", "metrics"),  # the sharded state comes as local shards, in "params"
+    )
 
 
 def _fit(
@@ -116,19 +68,10 @@ def _fit(
     **trainer_kwargs: Any,
 ) -> None:
     trainer_kwargs.setdefault("limit_val_batches", 0)  # validation only where asked for (it costs an ulp on CPU)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-        **trainer_kwargs,
+    trainer = quiet_trainer(
+        devices=WORLD, strategy=strategy, max_steps=max_steps, callbacks=[recorder], **trainer_kwargs
     )
-    trainer.fit(TinyLlama(), TokenData(batches), ckpt_path=ckpt_path)
+    trainer.fit(TinyLlama(step_schedule=True), _data(batches), ckpt_path=ckpt_path)
 
 
 def _same(first: Any, second: Any) -> bool:
@@ -190,22 +133,22 @@ def _worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     def strategy() -> FlexDeMoStrategy:
         return FlexDeMoStrategy(replicator="demo", compression=1 / 8, shard_size=2, drift_check_every=2)
 
-    straight = Recorder()
+    straight = _recorder()
     _fit(strategy(), 6, straight)
-    _fit(strategy(), 3, Recorder(checkpoint))
-    resumed = Recorder()
+    _fit(strategy(), 3, _recorder(checkpoint))
+    resumed = _recorder()
     _fit(strategy(), 6, resumed, ckpt_path=checkpoint)
-    accumulated = Recorder()
+    accumulated = _recorder()
     _fit(strategy(), 2, accumulated, batches=2, accumulate_grad_batches=2, precision="bf16-mixed")
-    clipped = Recorder()
+    clipped = _recorder()
     _fit(strategy(), 2, clipped, gradient_clip_val=0.5, limit_val_batches=1, val_check_interval=1)
     return {
-        "straight": {"losses": straight.losses, **straight.final},
-        "resumed": {"losses": resumed.losses, **resumed.final},
-        "accumulated_launched": accumulated.launched,
-        "accumulated": accumulated.final,
-        "clipped": clipped.final,
-        "clipped_launched": clipped.launched,
+        "straight": straight.record,
+        "resumed": resumed.record,
+        "accumulated_launched": accumulated.series["launched"],
+        "accumulated": accumulated.record,
+        "clipped": clipped.record,
+        "clipped_launched": clipped.series["launched"],
         "checkpoint_files": sorted(p.name for p in checkpoint.iterdir()),
         "fabric": _fabric_loop(out),
     }
@@ -282,42 +225,20 @@ def test_fabric_loop_converts_accumulates_and_resumes(runs):
             assert torch.equal(value, runs[shard + 2]["fabric"]["shards"][name]), name
 
 
-class LossRecorder(Callback):
-    """Writes each rank's losses (the spawned ranks' callbacks are copies: results come back through files)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.losses = out, []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        torch.save(self.losses, self.out / f"losses{trainer.global_rank}.pt")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_spawned_two_rank_fit_returns_full_weights_to_the_main_process(tmp_path):
     """start_method="spawn" from the main process: one node of 2 FSDP2 shards; rank 0 hands back unsharded weights."""
-    module = TinyLlama()
+    module = TinyLlama(step_schedule=True)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
     strategy = FlexDeMoStrategy(replicator="full", start_method="spawn")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=6,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[LossRecorder(tmp_path)],
+    trainer = quiet_trainer(
+        devices=2, strategy=strategy, max_steps=6, limit_val_batches=0, callbacks=[Recorder(tmp_path, keep=())]
     )
-    trainer.fit(module, TokenData())
+    trainer.fit(module, _data())
     for name, value in module.named_parameters():
         assert value.shape == before[name].shape and not isinstance(value, torch.distributed.tensor.DTensor), name
         assert not torch.equal(value, before[name]), name  # the trained weights came back
     for rank in range(2):
-        losses = torch.load(tmp_path / f"losses{rank}.pt")
+        losses = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["losses"]
         assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
