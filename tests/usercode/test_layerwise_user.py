@@ -33,6 +33,7 @@ from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
 from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
 from lightning_hetero.testing import run_distributed
+from tests.fixtures import Recorder
 from tests.usercode.usernets import Progressions, UserCNN, UserLlama
 
 
@@ -135,18 +136,10 @@ def test_greedy_layerwise_resumes_under_ddp_bit_for_bit(tmp_path: Path) -> None:
             assert torch.equal(value, resumed["aux_final"][name]), name
 
 
-class _Losses(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
 def _dgl_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = UserLlama(train_items=32, batch_size=4)
-    losses = _Losses()
+    losses = Recorder(keep=())
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=LayerwiseStrategy(num_stages=2, export_dir=str(out / "dgl")),
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -242,7 +235,7 @@ def _tuple_batches_worker(rank: int, world_size: int) -> dict[str, Any]:
     trainer.fit(greedy_module)
     greedy_val = float(trainer.callback_metrics["val_loss"])
     dgl_module = UserTwoConvCNN(train_items=64)
-    losses = _Losses()
+    losses = Recorder(keep=())
     trainer = L.Trainer(strategy=LayerwiseStrategy(num_stages=2), callbacks=[losses], **common)
     trainer.fit(dgl_module)
     return {
