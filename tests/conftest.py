@@ -14,6 +14,35 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+LAUNCHER_ENVIRONMENT = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
+"""Variables Lightning's launchers write into ``os.environ``. One left behind by an in-process Trainer makes every
+later ``lightning-hetero fit`` subprocess believe its ranks are started externally (``LOCAL_RANK`` set): rank 0 then
+waits for a rank 1 that is never launched."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_launcher_environment():
+    """A test that ran a Trainer in this process must not leak the launcher's variables into the next test."""
+    saved = {name: os.environ.get(name) for name in LAUNCHER_ENVIRONMENT}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def _destroy_process_group():
     """A test that initialised a process group in this process must not leak it into the next test."""
