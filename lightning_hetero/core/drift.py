@@ -86,19 +86,20 @@ def check_replica_drift(
     differs = (gathered != gathered[:1]).any(dim=-1)  # (replicas, params)
     bad_params = differs.any(dim=0).nonzero().flatten()
     first_bad = int(bad_params[0]) if bad_params.numel() else len(named_params)
-    bad_replicas = sum(1 << r for r in range(num_replicas) if bool(differs[r, first_bad])) if bad_params.numel() else 0
-    verdict = torch.tensor([first_bad, bad_replicas], dtype=torch.int64, device=device)
+    # One flag per replica (not a bitmask: an int64 mask overflows at 64 replicas), so every rank can name them all.
+    replica_flags = differs[:, first_bad] if bad_params.numel() else torch.zeros_like(differs[:, 0])
+    verdict = torch.cat([torch.tensor([first_bad], device=device), replica_flags.to(device=device)]).to(torch.int64)
     world_size = dist.get_world_size()
-    verdicts = torch.empty(world_size * 2, dtype=torch.int64, device=device)
+    verdicts = torch.empty(world_size * (1 + num_replicas), dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(verdicts, verdict, label=DRIFT_LABEL)
-    verdicts = verdicts.view(world_size, 2)
-    failing = [(rank, int(v[0]), int(v[1])) for rank, v in enumerate(verdicts.cpu()) if int(v[0]) < len(named_params)]
+    verdicts = verdicts.view(world_size, 1 + num_replicas).cpu()
+    failing = [(rank, int(v[0]), v[1:]) for rank, v in enumerate(verdicts) if int(v[0]) < len(named_params)]
     if not failing:
         return
-    rank, index, mask = min(failing, key=lambda item: (item[1], item[0]))
+    rank, index, flags = min(failing, key=lambda item: (item[1], item[0]))
     shard = rank % shard_size
     reference = shard  # the first replica's rank at this shard position
-    disagreeing = [replica * shard_size + shard for replica in range(num_replicas) if mask >> replica & 1]
+    disagreeing = [replica * shard_size + shard for replica in range(num_replicas) if bool(flags[replica])]
     raise ReplicaDriftError(
         f"{owner} replica drift at optimizer step {step}: parameter {named_params[index][0]!r} (the first that "
         f"differs) on rank(s) {disagreeing} is not bit-identical to rank {reference} (first replica, shard position "
