@@ -54,3 +54,17 @@ def assert_decoder_rule(
     if check_layout is not None:
         check_layout(result)
     return result
+
+
+def gather_outcome(receive: Callable[[], Any], summarize: Callable[[Any], Any]) -> tuple[Any, ...]:
+    """Run one receiving collective and record its outcome as plain data a spawned rank can return.
+
+    ``("accepted", summarize(result))``, ``("refused", peer, field, message)`` for a :class:`PeerPayloadError`, or
+    ``("escaped", type name, message)`` for anything else (which breaks the rule: tests assert it never happens).
+    """
+    try:
+        return ("accepted", summarize(receive()))
+    except PeerPayloadError as error:
+        return ("refused", error.peer, error.field, str(error))
+    except Exception as error:  # noqa: BLE001 - recorded, so the test can name what escaped
+        return ("escaped", type(error).__name__, str(error))

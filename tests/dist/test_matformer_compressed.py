@@ -20,7 +20,6 @@ import torch
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER, get_ledger
-from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.compressed import (
     CHECKPOINT_LABEL,
@@ -33,6 +32,7 @@ from lightning_hetero.matformer.layout import widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.types import FFNParameter
 from lightning_hetero.testing import run_distributed
+from tests.payload_rule import gather_outcome
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -214,13 +214,12 @@ def _forging_worker(rank: int, world_size: int) -> list[Any]:
                 comm.send(torch.tensor(list(f'["{OWN_KEY}"]'.encode()), dtype=torch.uint8), 0, label=CHECKPOINT_LABEL)
                 comm.send(torch.tensor(values), 0, label=CHECKPOINT_LABEL)
             continue
-        try:
-            gathered = exchange.gather_state(torch.device("cpu"))
-            out.append(("accepted", {key: value.tolist() for key, value in gathered[1].items()}))
-        except PeerPayloadError as error:
-            out.append(("refused", error.peer, error.field, str(error)))
-        except Exception as error:  # noqa: BLE001 - recorded: the test asserts none
-            out.append(("escaped", type(error).__name__, str(error)))
+        out.append(
+            gather_outcome(
+                lambda: exchange.gather_state(torch.device("cpu")),
+                lambda gathered: {key: value.tolist() for key, value in gathered[1].items()},
+            )
+        )
     return out
 
 

@@ -28,7 +28,7 @@ from lightning_hetero.pipeline.stage_gather import (
 )
 from lightning_hetero.subspace import SubspaceConfig, build_stages
 from lightning_hetero.testing import run_distributed
-from tests.payload_rule import assert_decoder_rule
+from tests.payload_rule import assert_decoder_rule, gather_outcome
 from tests.unit.subspace._tiny import fresh, tiny_model
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -120,13 +120,12 @@ def _gather_worker(rank: int, world_size: int) -> list[Any]:
             if payload is not None:
                 comm.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, label=EXPORT_LABEL)
             continue
-        try:
-            states = gather_stage_states({"v": torch.ones(2)}, layout, 0, device, max_bytes=max_bytes)
-            out.append(("accepted", [sorted(s) for s in states], states[1]["w"].tolist()))
-        except PeerPayloadError as error:
-            out.append(("refused", error.peer, error.field, str(error)))
-        except Exception as error:  # noqa: BLE001 - recorded: the test asserts none
-            out.append(("escaped", type(error).__name__, str(error)))
+        out.append(
+            gather_outcome(
+                lambda bound=max_bytes: gather_stage_states({"v": torch.ones(2)}, layout, 0, device, max_bytes=bound),
+                lambda states: ([sorted(s) for s in states], states[1]["w"].tolist()),
+            )
+        )
     return out
 
 
@@ -141,4 +140,4 @@ def test_the_gather_refuses_forged_sizes_and_payloads_before_allocating():
     assert "[8, 1024]" in outcome["above max_bytes"][3]
     assert outcome["bogus safetensors"][2] == "export.payload"
     assert outcome["NaN weights"][2] == "export.w"
-    assert outcome["honest"] == ("accepted", [["v"], ["w"]], [1.0, 2.0])
+    assert outcome["honest"] == ("accepted", ([["v"], ["w"]], [1.0, 2.0]))
