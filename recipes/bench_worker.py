@@ -156,6 +156,8 @@ def main() -> None:
     )
     parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--lr-warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization seed (the data order is fixed)")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--preset", default="llama-tiny")
@@ -170,9 +172,9 @@ def main() -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     num_nodes = world_size // ranks_per_node
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(args.seed, verbose=False)
     data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
-    options = {"preset": args.preset, "warmup_steps": 0, "learning_rate": args.learning_rate}
+    options = {"preset": args.preset, "warmup_steps": args.lr_warmup, "learning_rate": args.learning_rate}
     variant: Variant | None = None
     if args.strategy == "single":
         module, strategy = CausalLMModule(**options), "auto"
@@ -238,6 +240,9 @@ def main() -> None:
         "ranks_per_node": ranks_per_node,
         "batch_size_per_rank": args.batch_size,
         "seq_len": args.seq_len,
+        "seed": args.seed,
+        "lr_warmup": args.lr_warmup,
+        "learning_rate": args.learning_rate,
         "torch_threads": torch.get_num_threads(),
         "step_seconds": recorder.step_seconds,
         "median_step_s": median_step,
