@@ -3,7 +3,9 @@
 The floor that FlexDeMo's optimizers and MatFormer's ``demo`` aggregation both build on: the chunked DCT
 (:mod:`~lightning_hetero.replication.transforms`) and the replicators (:mod:`~.base`, :mod:`~.sparse`, :mod:`~.dense`,
 :mod:`~.diloco`). It imports only torch and :mod:`lightning_hetero.comm`, never a method package.
-``build_replicator(name, compression, **options)`` builds one by name; :data:`REPLICATORS` maps names to classes.
+:class:`~.settings.ReplicationSettings` holds a replicator's typed settings and builds it
+(``ReplicationSettings(kind="demo", kept_fraction=1/32).build()``); ``build_replicator(name, compression, **options)``
+builds one by name for the optimizers' own keyword arguments; :data:`REPLICATORS` maps names to classes.
 See ``docs/flexdemo.md`` for the math and the payload formulas.
 """
 
@@ -20,6 +22,7 @@ from lightning_hetero.replication.dense import (
     coordinate_schedule,
 )
 from lightning_hetero.replication.diloco import DiLoCoReplicator
+from lightning_hetero.replication.settings import ReplicationSettings
 from lightning_hetero.replication.sparse import COMBINE_MODES, DeMoReplicator, TopKReplicator
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "FullReplicator",
     "Piece",
     "RandomReplicator",
+    "ReplicationSettings",
     "Replicator",
     "StridingReplicator",
     "TopKReplicator",
