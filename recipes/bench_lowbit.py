@@ -10,7 +10,8 @@ Parts (each a key of the JSON):
 - ``classifiers``: MLP and small CNN on MNIST-5k, one process (``recipes/lowbit_experiments.py``).
 - ``distributed``: the CNN flip-trained by the strategy's runtime on 2 and 4 spawned gloo ranks; accuracy and the
   largest per-rank bytes per step, next to what a DDP fp32 all-reduce of the same model sends per rank.
-- ``sweep``: the send threshold (``send_fraction``), the flip cap ``k`` and the seed's top-k rule, 2 ranks.
+- ``sweep``: the send threshold (``exchange.send_threshold_ratio``), the flip cap ``k`` and the seed's top-k rule,
+  2 ranks.
 - ``vit`` and ``llama``: the project's ViT on MNIST-5k and tiny Llama on Shakespeare through the Lightning Trainer:
   fp32, STE ternary and ``SparseFlipStrategy`` (one process).
 - ``bytes``: ViT-tiny on 2 and 4 ranks, dense vs sparse fp averaging, per-rank bytes per step.
@@ -60,13 +61,14 @@ def distributed(steps: int) -> list[dict[str, Any]]:
 
 
 def sweep(steps: int) -> list[dict[str, Any]]:
-    settings = [
-        {"send_fraction": 0.5},
-        {"send_fraction": 2.0},
-        {"flips_per_step": 10},
-        {"encoding": "bf16"},
-        {"flip_rule": "topk", "density": 0.01, "encoding": "bf16"},  # the seed's rule, k = 0.1% of the codes
-        {"flip_rule": "topk", "density": 0.1, "encoding": "bf16", "flip_fraction": 0.01},
+    settings = [  # SparseFlipSettings fields, nested as in a YAML init_args.settings
+        {"exchange": {"send_threshold_ratio": 0.5}},
+        {"exchange": {"send_threshold_ratio": 2.0}},
+        {"flip": {"max_per_step": 10}},
+        {"exchange": {"encoding": "bf16"}},
+        # the seed's rule, k = 0.1% of the codes
+        {"flip": {"rule": "topk"}, "exchange": {"kept_fraction": 0.01, "encoding": "bf16"}},
+        {"flip": {"rule": "topk", "max_fraction": 0.01}, "exchange": {"kept_fraction": 0.1, "encoding": "bf16"}},
     ]
     rows = []
     for options in settings:
@@ -89,7 +91,7 @@ def trainer_run(kind: str, method: str, max_steps: int) -> dict[str, Any]:
 
     from lightning_hetero import SparseFlipStrategy
     from lightning_hetero.data import MNISTDataModule, ShakespeareDataModule
-    from lightning_hetero.lowbit import convert_model
+    from lightning_hetero.lowbit import SparseFlipSettings, convert_model
     from lightning_hetero.models import CausalLMModule, ImageClassifierModule
 
     base = ImageClassifierModule if kind == "vit" else CausalLMModule
@@ -109,7 +111,7 @@ def trainer_run(kind: str, method: str, max_steps: int) -> dict[str, Any]:
     module = (SteModule if method == "ste_ternary" else base)(**arguments)
     strategy: Any = "auto"
     if method.startswith("flip"):
-        strategy = SparseFlipStrategy(kind=method.split("_")[1])
+        strategy = SparseFlipStrategy(SparseFlipSettings(kind=method.split("_")[1]))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -134,7 +136,7 @@ def trainer_run(kind: str, method: str, max_steps: int) -> dict[str, Any]:
 def bytes_per_step(steps: int) -> list[dict[str, Any]]:
     rows = []
     for workers in (2, 4):
-        for options in ({}, {"fp_density": 0.05}):
+        for options in ({}, {"fp_sync": {"kept_fraction": 0.05}}):
             row = lowbit_workers.measure(workers, options, steps=steps)
             row.pop("ranks")
             rows.append(row)

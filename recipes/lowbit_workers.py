@@ -16,6 +16,7 @@ the same way (the ledger uses the ring formula, 2 (n - 1) / n of the payload eac
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,15 @@ from torch import nn
 
 from lightning_hetero import comm
 from lightning_hetero.testing import run_distributed
+
+
+def sparseflip_settings(options: Mapping[str, Any]) -> Any:
+    """The :class:`~lightning_hetero.lowbit.settings.SparseFlipSettings` of a JSON-able options mapping, written as in
+    a YAML ``init_args.settings``: ``{"flip": {"rule": "topk"}, "exchange": {"kept_fraction": 0.01}}``."""
+    from lightning_hetero.lowbit import CodeExchangeSettings, FlipSettings, FpSyncSettings, SparseFlipSettings
+
+    groups = {"flip": FlipSettings, "exchange": CodeExchangeSettings, "fp_sync": FpSyncSettings}
+    return SparseFlipSettings(**{k: groups[k](**v) if k in groups else v for k, v in options.items()})
 
 
 def build_vit() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -47,7 +57,7 @@ def _worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[
     comm.all_reduce(torch.zeros(dense_numel), "sum", label=comm.INTER)  # what DDP moves for this model, once
     after = ledger.totals(comm.INTER)
     dense = {"sent": after.sent - before.sent, "received": after.received - before.received}
-    runtime = SparseFlipRuntime(**options)
+    runtime = SparseFlipRuntime(sparseflip_settings(options))
     runtime.setup(model, torch.device("cpu"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
@@ -77,9 +87,12 @@ def _worker(rank: int, world: int, options: dict[str, Any], steps: int) -> dict[
 
 
 def measure(workers: int, options: dict[str, Any], steps: int = 4) -> dict[str, Any]:
-    """Per-rank bytes per step (mean over ``steps``) of the exchange and of the dense baseline, on ``workers`` ranks."""
+    """Per-rank bytes per step (mean over ``steps``) of the exchange and of the dense baseline, on ``workers`` ranks.
+
+    ``options``: the strategy's settings as in :func:`sparseflip_settings` (``{}``: the defaults).
+    """
     ranks = run_distributed(_worker, workers, options, steps)
-    server = int(options.get("server", 0))
+    server = sparseflip_settings(options).exchange.server
     worst_sent = max(r["sent_per_step"] for r in ranks)
     workers_only = [r for r in ranks if r["rank"] != server] or ranks
     dense_sent = max(r["dense_fp32_allreduce"]["sent"] for r in ranks)
@@ -111,7 +124,7 @@ def _train_worker(rank: int, world: int, model_name: str, dataset: str, steps: i
     x_train, y_train, x_test, y_test = load_dataset(dataset, seed=0)
     torch.manual_seed(0)
     model = build_model(model_name, x_train.shape[-1])
-    runtime = SparseFlipRuntime(**{"skip": (), **options})
+    runtime = SparseFlipRuntime(sparseflip_settings({"skip": (), **options}))
     runtime.setup(model, torch.device("cpu"))
     runtime.total_steps = steps
     params = [p for p in model.parameters() if p.requires_grad]

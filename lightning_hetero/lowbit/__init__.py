@@ -49,6 +49,7 @@ from lightning_hetero.lowbit.quant import (
     sign_ste,
     ternary_quantize,
 )
+from lightning_hetero.lowbit.settings import CodeExchangeSettings, FlipSettings, FpSyncSettings, SparseFlipSettings
 from lightning_hetero.lowbit.sparse import SparseFlipExchange, aggregate_flips, exchange_bytes, select_sparse
 from lightning_hetero.lowbit.wire import decode_flips, decode_sparse, encode_flips, encode_sparse
 
@@ -60,11 +61,15 @@ __all__ = [
     "BinaryConv2d",
     "BinaryLinear",
     "BopFlip",
+    "CodeExchangeSettings",
     "CodeLayout",
     "FlipOptimizer",
+    "FlipSettings",
+    "FpSyncSettings",
     "LowBitConv2d",
     "LowBitLinear",
     "SparseFlipExchange",
+    "SparseFlipSettings",
     "StochasticFlip",
     "TernaryConv2d",
     "TernaryLinear",

@@ -5,16 +5,19 @@ layers (codes only, no fp master copy), gives every rank rank 0's codes and weig
 after each backward: every rank thresholds its code gradient, the lists meet at a parameter server (or in an
 all-gather), the ``k`` strongest allowed flips come back and every rank applies the same flips after the optimizer
 step, so replicas stay bit-identical (a drift guard checks it when asked). The remaining fp parameters (biases,
-norms, embeddings, heads, trainable scales) are averaged densely, as DDP would, and trained by the user's optimizer.
+norms, embeddings, heads, trainable scales) are averaged densely, as DDP would (or as sparse lists with
+``settings.fp_sync.kept_fraction``), and trained by the user's optimizer. Every setting lives in
+:class:`~lightning_hetero.lowbit.settings.SparseFlipSettings`, validated there.
 
-Ledger: the flip exchange and the fp gradient average use ``"inter"``; the drift guard uses ``"drift"``.
+Ledger: the flip exchange and the fp gradient average use ``"inter"``; the drift guard uses ``"drift"``; gathering
+every rank's momenta and residuals into rank 0's checkpoint uses ``"checkpoint"``.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import (
     StrategyRuntime,
     WorldLayout,
@@ -31,126 +33,44 @@ from lightning_hetero.core import (
     process_rank_and_size,
 )
 from lightning_hetero.core.drift import check_replica_drift
-from lightning_hetero.lowbit.arguments import check_arguments
 from lightning_hetero.lowbit.convert import DEFAULT_SKIP, convert_model
 from lightning_hetero.lowbit.flip import CodeLayout, move_allowed
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.rules import BopRule, LocalBop, ThresholdRule, TopKRule
-from lightning_hetero.lowbit.runtime_state import SparseFlipStateMixin
+from lightning_hetero.lowbit.settings import SparseFlipSettings
 from lightning_hetero.lowbit.sparse import SparseFlipExchange
 
-__all__ = ["SparseFlipRuntime"]
+__all__ = ["CHECKPOINT_LABEL", "SparseFlipRuntime"]
+
+CHECKPOINT_LABEL = "checkpoint"
+"""Ledger label of gathering the momenta and residuals into rank 0's checkpoint."""
 
 
-class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
-    """Shared ``sparseflip`` logic: conversion, initial broadcast, the sparse flip exchange and the dense fp average.
+class SparseFlipRuntime(StrategyRuntime):
+    """Shared ``sparseflip`` logic: conversion, initial broadcast, the sparse flip exchange and the fp average.
 
     Args:
-        kind: ``"ternary"`` ({-1, 0, +1}) or ``"binary"`` ({-1, +1}) weights.
-        granularity: ``"row"`` (one fp scale per output channel) or ``"layer"``.
-        flip_rule: How gradients become flips (:mod:`lightning_hetero.lowbit.rules`): ``"local_bop"`` (every rank
-            keeps Bop's momentum of its own gradient and sends the momenta past ``send_fraction * bop_threshold``;
-            codes whose mean momentum passes ``bop_threshold`` move), ``"bop"`` (Bop on the deciding rank over the
-            aggregated sparse gradients) or ``"topk"`` (the seed's top-``k`` of the summed lists).
-        send_fraction: ``"local_bop"``: a rank sends the momenta above this fraction of ``bop_threshold`` (when
-            neither ``tau`` nor ``density`` is given).
-        flips_per_step: At most this many flips per step (``k``); None: ``ceil(flip_fraction * codes)``.
-        flip_fraction: ``k`` as a fraction of all codes when ``flips_per_step`` is None. None: 0.001 for ``"topk"``,
-            no cap for ``"bop"``.
-        bop_gamma: Bop's momentum rate (cosine-decayed to ``bop_decay_to`` x over the run when the length is known).
-        bop_threshold: Bop's threshold, a fraction of each layer's rms gradient.
-        bop_decay_to: Final fraction of ``bop_gamma``.
-        trainable_scale: The per-row (or per-layer) fp scales are parameters, trained by your optimizer.
-        zero_fraction: Ternary initialization: this fraction of each row's smallest ``|W|`` starts at 0 (None: round).
-        tau: Fixed threshold: a rank sends the entries with ``|g| > tau``. Exclusive with ``density``.
-        density: A rank sends its ``ceil(density * codes)`` largest ``|g|`` (default 0.01 when ``tau`` is None, except
-            with ``"local_bop"``, where the default is ``tau = send_fraction * bop_threshold`` on the momenta).
-        encoding: Values of the sent lists: ``"sign"`` (1 bit and one fp32 scale per message), ``"ternary"``,
-            ``"bf16"`` or ``"fp32"``.
-        aggregation: ``"server"`` (lists go to one rank, which broadcasts the flips) or ``"allgather"``.
-        server: Global rank of the parameter server.
-        skip: Module-name patterns left in fp (default: heads, classifiers and embeddings).
-        include: Layer types to convert (default: ``Linear``, ``Conv2d``, ``Conv1D``).
-        drift_check_every: Every N steps, check that every rank holds bit-identical codes and weights (0: off).
-        on_nonfinite: ``"raise"`` or ``"skip"`` when a rank's code gradient holds NaN/Inf.
-        error_feedback: Each rank keeps the code gradient it did not send (or sent rounded) and adds it to the next
-            step's, so every code's gradient is eventually heard (4 bytes per code per rank; saved in checkpoints).
-        fp_density: None: the fp gradients are averaged densely (as DDP). A fraction in (0, 1]: each rank sends
-            only that fraction of them as a sparse list, with error feedback (:mod:`~lightning_hetero.lowbit.fp_sync`).
-        on_bad_payload: ``"raise"`` (default): a corrupt peer list (index out of range, NaN/Inf, wrong length)
-            stops training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every rank;
-            ``"drop"``: it is left out of the step (logged).
+        settings: The strategy's settings (see :class:`~lightning_hetero.lowbit.settings.SparseFlipSettings`).
         owner: Class name used in messages.
     """
 
     restore_after_setup = True  # checkpoints hold codes and scales, which exist only after conversion
     checkpoint_key = "sparseflip"
 
-    def __init__(
-        self,
-        kind: str = "ternary",
-        granularity: str = "row",
-        flip_rule: str = "local_bop",
-        send_fraction: float = 1.0,
-        flips_per_step: int | None = None,
-        flip_fraction: float | None = None,
-        bop_gamma: float = 0.03,
-        bop_threshold: float = 0.2,
-        bop_decay_to: float = 0.1,
-        trainable_scale: bool = True,
-        zero_fraction: float | None = 0.5,
-        tau: float | None = None,
-        density: float | None = None,
-        encoding: str = "sign",
-        aggregation: str = "server",
-        server: int = 0,
-        skip: Sequence[str] | None = None,
-        include: Sequence[str] | None = None,
-        drift_check_every: int = 0,
-        on_nonfinite: str = "raise",
-        error_feedback: bool = True,
-        fp_density: float | None = None,
-        on_bad_payload: str = "raise",
-        owner: str = "SparseFlipStrategy",
-    ) -> None:
+    def __init__(self, settings: SparseFlipSettings, owner: str = "SparseFlipStrategy") -> None:
+        if not isinstance(settings, SparseFlipSettings):
+            raise TypeError(
+                f"{owner}: settings={settings!r} is not a SparseFlipSettings; pass settings=SparseFlipSettings(...)."
+            )
+        self.settings = settings
         self.owner = owner
-        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
-        check_arguments(
-            owner,
-            kind=kind,
-            granularity=granularity,
-            flip_rule=flip_rule,
-            flips_per_step=flips_per_step,
-            flip_fraction=flip_fraction,
-            bop_gamma=bop_gamma,
-            bop_threshold=bop_threshold,
-            bop_decay_to=bop_decay_to,
-            zero_fraction=zero_fraction,
-            tau=tau,
-            density=density,
-            encoding=encoding,
-            aggregation=aggregation,
-            server=server,
-            drift_check_every=drift_check_every,
-            on_nonfinite=on_nonfinite,
-            fp_density=fp_density,
-        )
-        self.kind, self.granularity = kind, granularity
-        self.flip_rule, self.flips_per_step, self.flip_fraction = flip_rule, flips_per_step, flip_fraction
-        self.bop_gamma, self.bop_threshold, self.bop_decay_to = bop_gamma, bop_threshold, bop_decay_to
-        self.trainable_scale, self.zero_fraction = bool(trainable_scale), zero_fraction
+        self._skip = tuple(DEFAULT_SKIP if settings.skip is None else settings.skip)
+        # "local_bop" keeps a momentum per code on every rank: that is its memory, so no residual on top of it.
+        self.error_feedback = settings.exchange.error_feedback and settings.flip.rule != "local_bop"
         self.rule: TopKRule | BopRule | ThresholdRule | None = None
         self.total_steps: int | None = None
         """Optimizer steps of the whole run, when known (drives Bop's decay); the Trainer adapter sets it."""
-        self.tau, self.density, self.encoding = tau, density, encoding
-        self.aggregation, self.server = aggregation, server
-        self.skip = tuple(DEFAULT_SKIP if skip is None else skip)
-        self.include = None if include is None else list(include)
-        self.drift_check_every, self.on_nonfinite = drift_check_every, on_nonfinite
-        self.fp_density = fp_density
-        self.error_feedback = bool(error_feedback) and flip_rule != "local_bop"  # there the momentum is the memory
-        self.send_fraction = send_fraction
         self.local_bop: LocalBop | None = None
         self.code_residual: Tensor | None = None
         self.fp_sync: SparseGradientAverage | None = None
@@ -167,10 +87,11 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
     # ------------------------------------------------------------------------------------------------ launch
     def resolve_launch(self, world: WorldLayout) -> None:
         """The parameter server must be one of the launched ranks."""
-        if self.aggregation == "server" and self.server >= world.world_size:
+        exchange = self.settings.exchange
+        if exchange.aggregation == "server" and exchange.server >= world.world_size:
             raise ValueError(
-                f"{self.owner}(server={self.server}): the run has {world.world_size} rank(s); pick a server in "
-                f"0..{world.world_size - 1}."
+                f"{self.owner}: SparseFlipSettings.exchange.server={exchange.server}, but the run has "
+                f"{world.world_size} rank(s); pick a server in 0..{world.world_size - 1}."
             )
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -178,36 +99,38 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
         """Convert ``module`` in place (once), copy rank 0's state everywhere and build the exchange (collective).
 
         Raises:
-            ValueError: no layer to convert, or ``flips_per_step`` larger than the number of codes.
+            ValueError: no layer to convert, or ``flip.max_per_step`` larger than the number of codes.
         """
+        settings = self.settings
         if self.module is not None and self.module is not module:
             raise RuntimeError(f"{self.owner} trains one model; setup was already called with another.")
         if not lowbit_layers(module, mode="flip"):
             convert_model(
                 module,
-                kind=self.kind,
+                kind=settings.kind,
                 mode="flip",
-                granularity=self.granularity,
-                skip=self.skip,
-                include=self.include,
-                trainable_scale=self.trainable_scale,
-                zero_fraction=self.zero_fraction if self.kind == "ternary" else None,
+                granularity=settings.granularity,
+                skip=self._skip,
+                include=None if settings.include is None else list(settings.include),
+                trainable_scale=settings.trainable_scale,
+                zero_fraction=settings.zero_fraction if settings.kind == "ternary" else None,
             )
         module.to(device)
         layout = CodeLayout(module)
         if layout.numel == 0:
             raise ValueError(
-                f"{self.owner}: the model has no layer to convert (types {self.include or 'Linear/Conv2d/Conv1D'}, "
-                f"skipping {list(self.skip)}). Pass skip=[] or include=[...] to choose layers."
+                f"{self.owner}: the model has no layer to convert (types "
+                f"{list(settings.include or ()) or 'Linear/Conv2d/Conv1D'}, skipping {list(self._skip)}). Set "
+                "SparseFlipSettings.skip=[] or include=[...] to choose layers."
             )
-        fraction = (
-            self.flip_fraction if self.flip_fraction is not None else (1e-3 if self.flip_rule == "topk" else None)
-        )
-        cap = self.flips_per_step or (math.ceil(fraction * layout.numel) if fraction is not None else None)
+        flip = settings.flip
+        fraction = flip.max_fraction if flip.max_fraction is not None else (1e-3 if flip.rule == "topk" else None)
+        cap = flip.max_per_step or (math.ceil(fraction * layout.numel) if fraction is not None else None)
         self.k = cap or layout.numel
         if self.k > layout.numel:
             raise ValueError(
-                f"{self.owner}(flips_per_step={self.k}): the model has only {layout.numel} codes; use at most that."
+                f"{self.owner}: SparseFlipSettings.flip.max_per_step={self.k}, but the model has only "
+                f"{layout.numel} codes; use at most that."
             )
         _, world_size = process_rank_and_size()
         group = None
@@ -215,16 +138,17 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             broadcast_module_state(module, 0, label=comm.INTER)  # codes, scales and fp weights of rank 0
             # The lists are small uint8 messages: under NCCL they travel over a gloo group on the CPU.
             group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-            if self.drift_check_every:
+            if settings.drift_check_every:
                 self._drift_replicas = world_size  # every rank its own replica
-        tau, density = self.tau, self.density
-        if self.flip_rule == "local_bop":
-            self.local_bop = LocalBop(layout.offsets, self.bop_gamma)
-            self.rule = ThresholdRule(self.bop_threshold, cap)
+        exchange = settings.exchange
+        tau, density = exchange.send_threshold, exchange.kept_fraction
+        if flip.rule == "local_bop":
+            self.local_bop = LocalBop(layout.offsets, flip.bop_gamma)
+            self.rule = ThresholdRule(flip.bop_threshold, cap)
             if tau is None and density is None:
-                tau = self.send_fraction * self.bop_threshold
-        elif self.flip_rule == "bop":
-            self.rule = BopRule(layout.offsets, self.bop_gamma, self.bop_threshold, reset=0.0, cap=cap)
+                tau = exchange.send_threshold_ratio * flip.bop_threshold
+        elif flip.rule == "bop":
+            self.rule = BopRule(layout.offsets, flip.bop_gamma, flip.bop_threshold, reset=0.0, cap=cap)
         else:
             self.rule = TopKRule(self.k)
         if tau is None and density is None:
@@ -234,18 +158,18 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             self.k,
             tau=tau,
             density=density,
-            encoding=self.encoding,
-            mode=self.aggregation,
-            server=self.server,
+            encoding=exchange.encoding,
+            mode=exchange.aggregation,
+            server=exchange.server,
             label=comm.INTER,
             group=group,
             rule=self.rule,
-            on_bad_payload=self.on_bad_payload,
+            on_bad_payload=settings.on_bad_payload,
         )
-        if self.fp_density is not None:
+        if settings.fp_sync.kept_fraction is not None:
             numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
             self.fp_sync = SparseGradientAverage(
-                numel, self.fp_density, self.encoding, comm.INTER, group, self.on_bad_payload
+                numel, settings.fp_sync.kept_fraction, exchange.encoding, comm.INTER, group, settings.on_bad_payload
             )
         self.module, self.layout = module, layout
         if self._pending_entry is not None:  # a checkpoint loaded before setup
@@ -269,14 +193,14 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             comm.all_reduce(finite, "min", label=comm.INTER, group=self.exchange.group)
         if not bool(finite[0]):
             message = f"{self.owner}: a non-finite code gradient at step {self.steps} (on at least one rank)"
-            if self.on_nonfinite == "raise":
+            if self.settings.on_nonfinite == "raise":
                 raise FloatingPointError(f"{message}; no flips applied. Lower the learning rate or check the data.")
             warnings.warn(f"{message}; this step's flips are skipped.", RuntimeWarning, stacklevel=2)
             self._pending, self._metrics = None, {"lowbit/skipped_nonfinite": 1.0}
             return
         decaying = self.local_bop if self.local_bop is not None else self.rule
         if isinstance(decaying, (BopRule, LocalBop)) and self.total_steps:
-            decaying.set_progress(self.steps / self.total_steps, self.bop_decay_to)
+            decaying.set_progress(self.steps / self.total_steps, self.settings.flip.bop_decay_to)
         codes = self.layout.flat_codes().cpu()
         if self.local_bop is not None:
             momentum = self.local_bop.update(grad)  # a rank sends its momenta, not its gradient,
@@ -324,10 +248,77 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
             self._pending = None
         self.layout.zero_grad()
         self.steps += 1
-        if self.drift_check_every and self.steps % self.drift_check_every == 0:
+        every = self.settings.drift_check_every
+        if every and self.steps % every == 0:
             self.check_drift()
         metrics, self._metrics = {**self._metrics, "lowbit/flips": float(moved)}, {}
         return metrics
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
+        """The deciding rank's rule state (Bop momenta) and, with ``fp_sync.kept_fraction``, every rank's error-feedback
+        residual, for rank 0's checkpoint (collective)."""
+        if self.exchange is None:
+            return None
+        rank, world_size = process_rank_and_size()
+        entry: dict[str, Any] = {"steps": self.steps, "rule": self._rule_state_on_rank_zero(world_size)}
+        group = self.exchange.group  # the CPU (gloo) group: these tensors live on the CPU, NCCL refuses them
+        if self.fp_sync is not None:
+            entry["residuals"] = _gather_to_every_rank(self.fp_sync.residual, world_size, group)
+        if self.local_bop is not None:
+            entry["local_momenta"] = _gather_to_every_rank(self.local_bop.momentum, world_size, group)
+        if self.error_feedback and self.layout is not None:
+            residual = self.code_residual if self.code_residual is not None else torch.zeros(self.layout.numel)
+            entry["code_residuals"] = _gather_to_every_rank(residual, world_size, group)
+        return entry
+
+    def _rule_state_on_rank_zero(self, world_size: int) -> dict[str, Tensor]:
+        state = self.rule.state_dict() if self.rule is not None else {}
+        exchange = self.settings.exchange
+        decider = exchange.server if exchange.aggregation == "server" else 0
+        if world_size == 1 or decider == 0:
+            return state
+        for value in state.values():  # only the server's momenta are current: hand them to rank 0
+            comm.broadcast(value, decider, label=CHECKPOINT_LABEL, group=self.exchange.group)  # CPU: the gloo group
+        return state
+
+    def load_extra_checkpoint_state(self, entry: Mapping[str, Any] | None) -> None:
+        """Restore the step counter, the rule state and this rank's residuals (kept until setup if it has not run).
+
+        Residuals saved by another number of ranks are dropped (training goes on, not bit-identically).
+        """
+        if entry is None:
+            return
+        if self.exchange is None:
+            self._pending_entry = entry
+            return
+        self.steps = int(entry.get("steps", self.steps))
+        if entry.get("rule") is not None and self.rule is not None:
+            self.rule.load_state_dict(entry["rule"])
+        rank, world_size = process_rank_and_size()
+        momenta = entry.get("local_momenta") or []
+        if self.local_bop is not None and len(momenta) == world_size:
+            self.local_bop.load_state_dict({"momentum": momenta[rank]})
+        code_residuals = entry.get("code_residuals") or []
+        if self.error_feedback and len(code_residuals) == world_size:
+            self.code_residual = code_residuals[rank].detach().float().cpu().clone()
+        if self.fp_sync is not None:
+            residuals = entry.get("residuals") or []
+            self.fp_sync.load_state_dict({"residual": residuals[rank]} if len(residuals) == world_size else {})
+
+    def state_bytes(self) -> dict[str, Any]:
+        """Bytes of the codes (int8 and 2-bit packed) and of the fp parameters, against fp32 weights + AdamW."""
+        if self.module is None or self.layout is None:
+            return {}
+        codes = self.layout.numel
+        fp = sum(p.numel() for p in self.module.parameters())
+        return {
+            "codes": codes,
+            "code_bytes_int8": codes,
+            "code_bytes_packed": math.ceil(codes * (2 if self.settings.kind == "ternary" else 1) / 8),
+            "fp_parameters": fp,
+            "fp32_adamw_bytes_if_dense": 12 * (codes + fp),
+        }
 
     def check_drift(self) -> None:
         """Raise on every rank if any rank's codes or weights differ from rank 0's (collective)."""
@@ -346,3 +337,13 @@ class SparseFlipRuntime(SparseFlipStateMixin, StrategyRuntime):
         """Clip the (already averaged, so equal on every rank) fp gradients; codes are moved by flips, not clipped."""
         params = [p for p in parameters if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+
+def _gather_to_every_rank(tensor: Tensor, world_size: int, group: Any = None) -> list[Tensor]:
+    """Every rank's copy of a same-sized CPU tensor, in rank order (collective over ``group``, a CPU-capable group
+    spanning the world: the default one under gloo, the exchange's gloo group under NCCL; label ``"checkpoint"``)."""
+    if world_size == 1:
+        return [tensor.clone()]
+    gathered = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype)
+    comm.all_gather_into_tensor(gathered, tensor.contiguous(), label=CHECKPOINT_LABEL, group=group)
+    return list(gathered.view(world_size, -1).clone().unbind(0))

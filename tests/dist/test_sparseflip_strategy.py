@@ -7,7 +7,7 @@ sees the same batches whatever Lightning does when it re-enters an epoch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import SparseFlipStrategy
 from lightning_hetero.fabric import SparseFlipStrategy as FabricSparseFlipStrategy
+from lightning_hetero.lowbit import CodeExchangeSettings, FlipSettings, FpSyncSettings, SparseFlipSettings
 from tests.fixtures import fit_ranks
 from tests.unit.lowbit.test_strategy import DigitsMLP
 
@@ -29,8 +30,24 @@ def _dataset() -> TensorDataset:
     return TensorDataset(x, x[:, :4].argmax(dim=1).long())
 
 
-def _fit(out: Path, max_steps: int, checkpoint: Path | None = None, ckpt_path: Path | None = None, **kwargs: Any):
-    strategy = SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, drift_check_every=2, start_method="spawn", **kwargs)
+FLIP = FlipSettings(max_per_step=16, bop_gamma=0.3)
+
+
+def _fit(
+    out: Path,
+    max_steps: int,
+    checkpoint: Path | None = None,
+    ckpt_path: Path | None = None,
+    aggregation: Literal["server", "allgather"] = "server",
+    fp_kept_fraction: float | None = None,
+):
+    settings = SparseFlipSettings(
+        flip=FLIP,
+        exchange=CodeExchangeSettings(aggregation=aggregation),
+        fp_sync=FpSyncSettings(kept_fraction=fp_kept_fraction),
+        drift_check_every=2,
+    )
+    strategy = SparseFlipStrategy(settings, start_method="spawn")
     data = DataLoader(_dataset(), batch_size=16)
     # stop_after_save: an interrupted 8-step run, its schedules (Bop's decay) are the full run's
     recorder = {"stop_after_save": True, "series": {"flips": ("lowbit/flips", -1.0)}}
@@ -52,13 +69,13 @@ def test_replicas_identical_and_server_equals_allgather(tmp_path):
     assert server[0]["state"]["net.0.codes"].dtype == torch.int8
 
 
-@pytest.mark.parametrize("fp_density", [None, 0.25])
-def test_resume_mid_run_is_bit_identical(tmp_path, fp_density):
+@pytest.mark.parametrize("fp_kept_fraction", [None, 0.25])
+def test_resume_mid_run_is_bit_identical(tmp_path, fp_kept_fraction):
     """Dense fp average, and sparse fp lists whose error-feedback residuals travel in rank 0's checkpoint."""
-    full = _fit(tmp_path / "full", 8, fp_density=fp_density)
-    _fit(tmp_path / "first", 8, checkpoint=tmp_path / "step4.ckpt", fp_density=fp_density)
-    resumed = _fit(tmp_path / "resumed", 8, ckpt_path=tmp_path / "step4.ckpt", fp_density=fp_density)
-    if fp_density is not None:
+    full = _fit(tmp_path / "full", 8, fp_kept_fraction=fp_kept_fraction)
+    _fit(tmp_path / "first", 8, checkpoint=tmp_path / "step4.ckpt", fp_kept_fraction=fp_kept_fraction)
+    resumed = _fit(tmp_path / "resumed", 8, ckpt_path=tmp_path / "step4.ckpt", fp_kept_fraction=fp_kept_fraction)
+    if fp_kept_fraction is not None:
         saved = torch.load(tmp_path / "step4.ckpt", weights_only=False)["sparseflip"]["residuals"]
         assert len(saved) == 2 and not torch.equal(saved[0], saved[1])  # each rank's own residual
     _assert_states_equal(full[0]["state"], full[1]["state"])
@@ -84,7 +101,7 @@ def _fabric_run(fabric: Fabric, out: Path) -> None:
 
 
 def test_fabric_accumulates_then_exchanges(tmp_path):
-    strategy = FabricSparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, start_method="spawn")
+    strategy = FabricSparseFlipStrategy(SparseFlipSettings(flip=FLIP), start_method="spawn")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_fabric_run, tmp_path)
     ranks = [torch.load(tmp_path / f"fabric{r}.pt", weights_only=False) for r in range(2)]

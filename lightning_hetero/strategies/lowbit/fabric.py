@@ -1,6 +1,8 @@
 """``SparseFlipStrategy`` for Fabric: low-bit flip training with the sparse exchange in your own loop. Usage::
 
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=SparseFlipStrategy(kind="ternary", density=0.01))
+    from lightning_hetero.lowbit import SparseFlipSettings
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=SparseFlipStrategy(SparseFlipSettings(kind="ternary")))
     fabric.launch()
     model = fabric.setup_module(model)  # Linear/Conv layers -> flip-mode codes, rank 0's state everywhere
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # the remaining fp parameters
@@ -15,14 +17,15 @@ step's ``lowbit/*`` and ``comm/*`` figures.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+from lightning_hetero.lowbit.settings import SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["SparseFlipStrategy"]
@@ -31,42 +34,27 @@ __all__ = ["SparseFlipStrategy"]
 class SparseFlipStrategy(FabricStrategyBase):
     """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks.
 
-    Arguments as in the Trainer's :class:`lightning_hetero.SparseFlipStrategy` (``kind``, ``granularity``,
-    ``flip_rule``, ``send_fraction``, ``flips_per_step``, ``flip_fraction``, ``bop_*``, ``trainable_scale``,
-    ``zero_fraction``, ``tau`` or ``density``, ``encoding``, ``aggregation``, ``server``,
-    ``skip``, ``include``, ``drift_check_every``, ``on_nonfinite``, ``fp_density``), plus Fabric's (``**kwargs``; see
-    :class:`~lightning_hetero.strategies.FabricStrategyBase`).
+    Args:
+        settings: the strategy's settings (see :class:`~lightning_hetero.lowbit.settings.SparseFlipSettings`);
+            default: all defaults.
+        **kwargs: Fabric's arguments; see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
+
+    Raises:
+        RenamedSettingError: a keyword of 0.1 (``kind``, ``density``, ...) was given; the message names its new key.
     """
 
-    def __init__(
-        self,
-        kind: str = "ternary",
-        granularity: str = "row",
-        flip_rule: str = "local_bop",
-        send_fraction: float = 1.0,
-        flips_per_step: int | None = None,
-        flip_fraction: float | None = None,
-        bop_gamma: float = 0.03,
-        bop_threshold: float = 0.2,
-        bop_decay_to: float = 0.1,
-        trainable_scale: bool = True,
-        zero_fraction: float | None = 0.5,
-        tau: float | None = None,
-        density: float | None = None,
-        encoding: str = "sign",
-        aggregation: str = "server",
-        server: int = 0,
-        skip: list[str] | None = None,
-        include: list[str] | None = None,
-        drift_check_every: int = 0,
-        on_nonfinite: str = "raise",
-        fp_density: float | None = None,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(SparseFlipRuntime(**runtime_arguments(SparseFlipRuntime, locals())), **kwargs)
+    settings_class: ClassVar[type] = SparseFlipSettings
+
+    def __init__(self, settings: SparseFlipSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, SparseFlipSettings.RENAMED)
+        super().__init__(SparseFlipRuntime(settings or SparseFlipSettings(), owner=type(self).__name__), **kwargs)
         self.last_metrics: dict[str, float] = {}
         """The ``lowbit/*`` and ``comm/*`` metrics of the last optimizer step."""
+
+    @property
+    def settings(self) -> SparseFlipSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     def set_total_steps(self, steps: int) -> None:
         """Tell the strategy how many optimizer steps the run has, so Bop's ``gamma`` decays over them."""

@@ -78,10 +78,17 @@ def test_topk_rule_and_argument_errors():
 def test_local_bop_runtime_alone_moves_exactly_like_bop_flip():
     """One rank, fp32 values: the momenta past the threshold are sent and move, as BopFlip moves them."""
     from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+    from lightning_hetero.lowbit.settings import CodeExchangeSettings, FlipSettings, SparseFlipSettings
 
     reference, model = _model(), _model()
     bop = BopFlip(reference, gamma=0.3, threshold=0.2, normalize=True, reset=0.0)
-    runtime = SparseFlipRuntime(encoding="fp32", bop_gamma=0.3, bop_threshold=0.2, skip=(), trainable_scale=False)
+    settings = SparseFlipSettings(
+        flip=FlipSettings(bop_gamma=0.3, bop_threshold=0.2),
+        exchange=CodeExchangeSettings(encoding="fp32"),
+        skip=(),
+        trainable_scale=False,
+    )
+    runtime = SparseFlipRuntime(settings)
     runtime.setup(model, torch.device("cpu"))  # already converted: kept as it is
     moved = 0
     for step in range(6):

@@ -1,4 +1,4 @@
-"""SparseFlipStrategy in one process: argument errors before training, conversion, a real fit, YAML names."""
+"""SparseFlipStrategy in one process: launch and setup errors, conversion, a real fit, registered names."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import SparseFlipStrategy
 from lightning_hetero.fabric import SparseFlipStrategy as FabricSparseFlipStrategy
-from lightning_hetero.lowbit import lowbit_layers
-
-STRATEGIES = [SparseFlipStrategy, FabricSparseFlipStrategy]
+from lightning_hetero.lowbit import CodeExchangeSettings, FlipSettings, SparseFlipSettings, lowbit_layers
 
 
 class DigitsMLP(L.LightningModule):
@@ -43,42 +41,26 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=16)
 
 
-@pytest.mark.parametrize("cls", STRATEGIES)
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"kind": "quaternary"}, "kind="),
-        ({"granularity": "column"}, "granularity="),
-        ({"flips_per_step": 0}, "flips_per_step="),
-        ({"flip_fraction": 2.0}, "flip_fraction="),
-        ({"tau": 0.1, "density": 0.1}, "not both"),
-        ({"density": 0.0}, "density="),
-        ({"aggregation": "gossip"}, "aggregation="),
-        ({"encoding": "fp8"}, "encoding="),
-        ({"on_nonfinite": "ignore"}, "on_nonfinite="),
-        ({"drift_check_every": -1}, "drift_check_every="),
-        ({"flip_rule": "vote"}, "flip_rule="),
-        ({"bop_gamma": 0.0}, "bop_gamma="),
-        ({"bop_threshold": -1.0}, "bop_threshold="),
-        ({"zero_fraction": 1.0}, "zero_fraction="),
-        ({"fp_density": 0.0}, "fp_density="),
-    ],
-)
-def test_bad_arguments_fail_at_construction(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        cls(**kwargs)
-
-
 def test_server_outside_the_world_fails_before_launch():
-    with pytest.raises(ValueError, match="server=3"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=SparseFlipStrategy(server=3, start_method="spawn"))
+    with pytest.raises(ValueError, match="SparseFlipSettings.exchange.server=3"):
+        L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=SparseFlipStrategy(
+                SparseFlipSettings(exchange=CodeExchangeSettings(server=3)), start_method="spawn"
+            ),
+        )
 
 
 def test_more_flips_than_codes_fails_at_setup():
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=SparseFlipStrategy(flips_per_step=10**6), max_steps=1, logger=False
+        accelerator="cpu",
+        devices=1,
+        strategy=SparseFlipStrategy(SparseFlipSettings(flip=FlipSettings(max_per_step=10**6))),
+        max_steps=1,
+        logger=False,
     )
-    with pytest.raises(ValueError, match="only 640 codes"):
+    with pytest.raises(ValueError, match="flip.max_per_step=1000000, but the model has only 640 codes"):
         trainer.fit(DigitsMLP(), _loader())
 
 
@@ -91,20 +73,25 @@ class _Flips(Callback):
 
 
 RULE_OPTIONS = {
-    "local_bop": {"bop_gamma": 0.3},  # the default rule: sign votes of the momenta past the threshold
-    "bop": {"bop_gamma": 0.3, "density": 0.5, "encoding": "bf16"},
-    "topk": {"density": 0.5, "encoding": "bf16"},
+    "local_bop": ({"bop_gamma": 0.3}, {}),  # the default rule: sign votes of the momenta past the threshold
+    "bop": ({"bop_gamma": 0.3}, {"kept_fraction": 0.5, "encoding": "bf16"}),
+    "topk": ({}, {"kept_fraction": 0.5, "encoding": "bf16"}),
 }
+"""Per rule: extra FlipSettings and CodeExchangeSettings fields."""
 
 
 @pytest.mark.parametrize("rule", sorted(RULE_OPTIONS))
 def test_single_process_fit_flips_codes_and_checkpoints_them(tmp_path, rule):
+    flip, exchange_options = RULE_OPTIONS[rule]
+    exchange = CodeExchangeSettings(**exchange_options)
     module = DigitsMLP()
     flips = _Flips()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SparseFlipStrategy(flip_rule=rule, flips_per_step=8, **RULE_OPTIONS[rule]),
+        strategy=SparseFlipStrategy(
+            SparseFlipSettings(flip=FlipSettings(rule=rule, max_per_step=8, **flip), exchange=exchange)
+        ),
         max_steps=12,
         logger=False,
         enable_checkpointing=False,
@@ -140,7 +127,9 @@ def test_registered_names_resolve():
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_non_finite_code_gradients_raise_or_skip(policy):
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricSparseFlipStrategy(on_nonfinite=policy))
+    fabric = Fabric(
+        accelerator="cpu", devices=1, strategy=FabricSparseFlipStrategy(SparseFlipSettings(on_nonfinite=policy))
+    )
     fabric.launch()
     model = fabric.setup_module(DigitsMLP().net)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
