@@ -29,7 +29,7 @@ average uses ``intra``; the export's transfer uses
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,11 @@ from torch import Tensor, nn
 
 from lightning_hetero import comm
 from lightning_hetero.core import StrategyRuntime, WorldLayout, average_gradients, broadcast_module_state
-from lightning_hetero.layerwise.decoupled import ActivationLink, bad_payload_policy, batch_signature
+from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
 from lightning_hetero.layerwise.loss_report import ModelLossReport
-from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer, check_capacity
+from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout
 
 __all__ = ["CHECKPOINT_FORMAT", "MODES", "DecoupledRuntime"]
@@ -57,19 +58,8 @@ class DecoupledRuntime(StrategyRuntime):
     """The loop-independent part of the ``layerwise`` (DGL) strategies, shared by the Trainer and Fabric adapters.
 
     Args:
-        num_stages: Pipeline stages (one block each); the world must have ``num_stages * data_parallel_size`` ranks.
-        boundaries: Unit (layer / conv stage) indices at which stages 1.. start; default: balanced.
-        data_parallel_size: Replicas of every stage; a stage's gradients are averaged over its replicas.
-        aux_head: Local head of stages before the last: ``"linear"``, ``"mlp"`` or ``"lm_head"`` (causal LMs).
-        aux_outputs: Outputs of the auxiliary heads (must equal the model's classes / vocabulary; None: the model's).
-        mode: ``"sync"`` (stage s+1 trains on the activations of the same step) or ``"async"`` (on the newest
-            received ones, from a bounded replay buffer; staleness < ``replay_capacity`` steps).
-        replay_capacity: Entries of the replay buffer (asynchronous mode).
-        max_in_flight: Sends a stage may have outstanding before it waits (how far it can run ahead of the link).
-        activation_dtype: Codec of the activations: ``"fp32"`` (exact), ``"bf16"`` or ``"int8"`` (lossy).
-        on_bad_payload: ``"raise"``: corrupt activations from the previous stage (a header that does not match this
-            stage's batch and block, NaN/Inf) raise :class:`~lightning_hetero.comm.validation.PeerPayloadError`.
-            ``"drop"`` (``mode="async"`` only): bad values are left out and the stage replays older activations.
+        settings: The strategy's settings (see :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`;
+            checked there). ``export_dir`` is the Trainer adapter's business.
         owner: Class name used in error messages.
     """
 
@@ -77,47 +67,18 @@ class DecoupledRuntime(StrategyRuntime):
     directory_checkpoint = True
     restore_after_setup = True
 
-    def __init__(
-        self,
-        num_stages: int = 2,
-        boundaries: Sequence[int] | None = None,
-        data_parallel_size: int = 1,
-        aux_head: str = "linear",
-        aux_outputs: int | None = None,
-        mode: str = "sync",
-        replay_capacity: int = 4,
-        max_in_flight: int = 2,
-        activation_dtype: str = "fp32",
-        on_bad_payload: str = "raise",
-        owner: str = "LayerwiseStrategy",
-    ) -> None:
-        from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS
-        from lightning_hetero.pipeline.codec import BoundaryCodec
-
+    def __init__(self, settings: LayerwiseSettings, owner: str = "LayerwiseStrategy") -> None:
+        if not isinstance(settings, LayerwiseSettings):
+            raise TypeError(f"{owner}: settings={settings!r}; use LayerwiseSettings(...).")
+        self.settings = settings
         self.owner = owner
-        for name, value, minimum in (("num_stages", num_stages, 1), ("data_parallel_size", data_parallel_size, 1),
-                                     ("max_in_flight", max_in_flight, 1)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{owner}({name}={value!r}): use an int >= {minimum}.")
-        self.replay_capacity = check_capacity(replay_capacity, owner, "replay_capacity")
-        if mode not in MODES:
-            raise ValueError(f"{owner}(mode={mode!r}): use 'sync' or 'async'.")
-        if aux_head not in AUX_HEAD_KINDS:
-            raise ValueError(f"{owner}(aux_head={aux_head!r}): use one of {list(AUX_HEAD_KINDS)}.")
-        if boundaries is not None and len(boundaries) != num_stages - 1:
-            raise ValueError(
-                f"{owner}(num_stages={num_stages}, boundaries={list(boundaries)}): give num_stages - 1 = "
-                f"{num_stages - 1} boundaries (the first unit index of stages 1..{num_stages - 1}), or none."
-            )
-        try:
-            BoundaryCodec(activation_dtype, 1)
-        except ValueError as error:
-            raise ValueError(f"{owner}(activation_dtype={activation_dtype!r}): {error}") from None
-        self.boundaries = None if boundaries is None else [int(b) for b in boundaries]
-        self.layout = PipelineLayout(num_stages, data_parallel_size)
-        self.aux_head, self.aux_outputs, self.mode = aux_head, aux_outputs, mode
-        self.max_in_flight, self.activation_dtype = max_in_flight, activation_dtype
-        self.on_bad_payload = bad_payload_policy(owner, on_bad_payload, asynchronous=mode == "async")
+        pipeline = settings.pipeline
+        self.boundaries = None if settings.boundaries is None else list(settings.boundaries)
+        self.layout = PipelineLayout(pipeline.num_stages, pipeline.data_parallel_size)
+        self.aux_head, self.aux_outputs, self.mode = settings.aux_head, settings.aux_outputs, settings.mode
+        self.replay_capacity, self.max_in_flight = settings.replay_capacity, settings.max_in_flight
+        self.activation_dtype = pipeline.boundary_dtype
+        self.on_bad_payload = settings.on_bad_payload
         self._expected: dict[tuple, tuple[int, ...]] = {}  # per-sample input shape of this stage, per batch signature
         self.groups: PipelineGroups | None = None
         self.stack: Any | None = None
@@ -202,8 +163,10 @@ class DecoupledRuntime(StrategyRuntime):
         existing = find_dgl_stage(module)
         if existing is not None:
             if existing.num_stages != self.num_stages:
-                raise ValueError(f"{self.owner}(num_stages={self.num_stages}): the module holds a "
-                                 f"{existing.num_stages}-stage pipeline.")  # fmt: skip
+                raise ValueError(
+                    f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the module holds a "
+                    f"{existing.num_stages}-stage pipeline."
+                )
             self.container = existing
             return module
         self.stack, self.container = build_dgl_stage(

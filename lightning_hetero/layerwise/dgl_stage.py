@@ -137,20 +137,23 @@ def build_dgl_stage(
         else:
             stack = split_into_blocks(module, boundaries=list(boundaries))
     except ValueError as error:
-        raise ValueError(f"LayerwiseStrategy(num_stages={num_stages}, boundaries={boundaries}): {error}") from None
+        raise ValueError(
+            f"LayerwiseStrategy: settings.pipeline.num_stages={num_stages}, settings.boundaries={boundaries}: {error}"
+        ) from None
     if stack.num_blocks != num_stages:
         raise ValueError(
-            f"LayerwiseStrategy(num_stages={num_stages}, boundaries={list(boundaries or [])}): the boundaries make "
-            f"{stack.num_blocks} blocks; give num_stages - 1 = {num_stages - 1} boundaries (one block per stage)."
+            f"LayerwiseStrategy: settings.pipeline.num_stages={num_stages}, settings.boundaries="
+            f"{list(boundaries or [])}: the boundaries make {stack.num_blocks} blocks; give num_stages - 1 = "
+            f"{num_stages - 1} boundaries (one block per stage)."
         )
     last = stage == num_stages - 1
     if aux_head not in AUX_HEAD_KINDS:
-        raise ValueError(f"LayerwiseStrategy(aux_head={aux_head!r}): use one of {list(AUX_HEAD_KINDS)}.")
+        raise ValueError(f"LayerwiseSettings.aux_head={aux_head!r}: use one of {list(AUX_HEAD_KINDS)}.")
     if aux_head == "lm_head" and stack.task != "causal_lm":
-        raise ValueError(f"LayerwiseStrategy(aux_head='lm_head'): needs a causal LM; this {stack.family} classifies.")
+        raise ValueError(f"LayerwiseSettings.aux_head='lm_head': needs a causal LM; this {stack.family} classifies.")
     if aux_outputs is not None and aux_outputs != stack.num_outputs:
         raise ValueError(
-            f"LayerwiseStrategy(aux_outputs={aux_outputs}): the model predicts {stack.num_outputs} classes/tokens and "
+            f"LayerwiseSettings.aux_outputs={aux_outputs}: the model predicts {stack.num_outputs} classes/tokens and "
             f"every stage's loss uses its labels; use aux_outputs=None (or {stack.num_outputs})."
         )
     head = stack.final_head if last else _aux_head(stack, aux_head, stage, aux_outputs)

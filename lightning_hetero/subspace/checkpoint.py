@@ -83,9 +83,11 @@ def check_meta(saved: Mapping[str, Any], current: Mapping[str, Any], path: str |
         raise ValueError(
             f"Cannot resume from {path}: the checkpoint was written by a different pipeline ("
             + "; ".join(differences)
-            + f"). Resume with SubspacePipelineStrategy(num_stages={stages}) and the same model and subspace settings"
-            f" (rank, compress, mode, seed, coord_dtype); data_parallel_size may change, so any world size that is a "
-            f"multiple of {stages} works. The stage count cannot change: each stage file holds its layers' optimizer "
+            + f"). Resume with SubspacePipelineSettings(pipeline=PipelineSettings(num_stages={stages})) and the same "
+            "model and subspace settings (subspace_dim or dim_ratio, compress, mode, seed, pipeline.boundary_dtype; "
+            "meta.json names the resolved subspace_dim 'rank' and boundary_dtype 'coord_dtype'); "
+            f"pipeline.data_parallel_size may change, so any world size that is a multiple of {stages} works. The "
+            "stage count cannot change: each stage file holds its layers' optimizer "
             "state by position and its boundary's subspace statistic, which do not map onto another layer split."
         )
 

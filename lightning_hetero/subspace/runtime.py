@@ -1,8 +1,10 @@
 """The loop-independent core of the subspace pipeline strategies, shared by the Trainer and Fabric adapters.
 
-:class:`SubspacePipelineRuntime` holds the knobs and their validation, finds the user's HF decoder, builds this rank's
-stage (:func:`lightning_hetero.subspace.stages.build_stages`) and puts it where the HF model was, and runs one
-training or evaluation step over the schedule (:class:`~lightning_hetero.subspace.pipeline.PipelineExecutor`). Around
+:class:`SubspacePipelineRuntime` takes the strategy's settings
+(:class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`, which check themselves), finds the user's HF
+decoder, builds this rank's stage (:func:`lightning_hetero.subspace.stages.build_stages`) and puts it where the HF
+model was, and runs one training or evaluation step over the schedule
+(:class:`~lightning_hetero.subspace.pipeline.PipelineExecutor`). Around
 the schedule it does what a pipeline needs on every step: the loss broadcast from the last stage, the replicas'
 gradient average, gradient projection (``mode="projected"``), the pipeline-wide clipping norm and the periodic
 subspace update (statistic summed over all ranks, basis proposed on rank 0, broadcast, every stage rebased). It also
@@ -29,7 +31,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import (
     StrategyRuntime,
     WorldLayout,
@@ -47,12 +48,10 @@ from lightning_hetero.subspace.pipeline import (
     split_batch,
     valid_tokens,
 )
-from lightning_hetero.subspace.schedules import check_schedule
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
 __all__ = ["SubspacePipelineRuntime"]
 
-DEFAULT_COMPRESSION = 16.0
-"""``d / k`` when neither ``rank`` nor ``compression`` is given (so ``strategy="subspace_pipeline"`` works)."""
 DP_LABEL = comm.INTRA
 """Ledger label of the replicas' gradient average (one stage's replicas share a node in the rank layout)."""
 
@@ -61,22 +60,8 @@ class SubspacePipelineRuntime(StrategyRuntime):
     """The loop-independent part of the subspace pipeline, shared by the Trainer and Fabric strategies.
 
     Args:
-        num_stages: Pipeline stages ``P`` (one per rank of a replica).
-        rank: ``k``, coordinates per token at a boundary. Exclusive with ``compression``.
-        compression: ``d / k`` instead of ``rank``. Neither given: ``compression=16``.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
-        n_microbatches: Microbatches per optimizer step (the batch must split evenly); default ``num_stages``.
-        data_parallel_size: Replicated pipelines ``D``; stage gradients are averaged over the replicas.
-        compress: False: the plain (unconstrained) model; boundaries carry ``d`` numbers.
-        mode: ``"reparam"`` or ``"projected"`` (see :class:`~lightning_hetero.subspace.SubspaceConfig`).
-        coord_dtype: Boundary codec: ``"fp32"``, ``"bf16"`` or ``"int8"`` (lossy).
-        update_every: Optimizer steps between subspace updates (0: frozen U).
-        update_lr: Step size of the subspace update.
-        seed: Seed of U and T_fixed.
-        on_bad_payload: ``"raise"`` (the only choice here): NaN/Inf activations or gradients from a neighbour stage
-            (or a negative int8 scale) stop training with a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError`. A stage cannot go on without its input,
-            so ``"drop"`` is refused.
+        settings: The strategy's settings (see :class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`;
+            checked there).
         owner: Class name used in error messages.
     """
 
@@ -84,58 +69,26 @@ class SubspacePipelineRuntime(StrategyRuntime):
     directory_checkpoint = True  # one part per stage (written by replica 0) plus meta.json
     restore_after_setup = True
 
-    def __init__(
-        self,
-        num_stages: int,
-        rank: int | None = None,
-        compression: float | None = None,
-        schedule: str = "1f1b",
-        n_microbatches: int | None = None,
-        data_parallel_size: int = 1,
-        compress: bool = True,
-        mode: str = "reparam",
-        coord_dtype: str = "fp32",
-        update_every: int = 0,
-        update_lr: float = 0.1,
-        seed: int = 0,
-        on_bad_payload: str = "raise",
-        owner: str = "SubspacePipelineStrategy",
-    ) -> None:
+    def __init__(self, settings: SubspacePipelineSettings, owner: str = "SubspacePipelineStrategy") -> None:
         from lightning_hetero.subspace.basis import SubspaceConfig
 
+        if not isinstance(settings, SubspacePipelineSettings):
+            raise TypeError(f"{owner}: settings={settings!r}; use SubspacePipelineSettings(...).")
+        self.settings = settings
         self.owner = owner
-        if validate_on_bad_payload(owner, on_bad_payload) == "drop":
-            raise ValueError(
-                f"{owner}(on_bad_payload='drop'): a pipeline stage cannot compute a micro-batch without the"
-                " activations (or gradients) its neighbour sent, so a corrupt boundary tensor cannot be dropped; use"
-                " on_bad_payload='raise'."
-            )
-        _check_int(owner, "num_stages", num_stages, 1)
-        _check_int(owner, "data_parallel_size", data_parallel_size, 1)
-        n_microbatches = num_stages if n_microbatches is None else n_microbatches
-        _check_int(owner, "n_microbatches", n_microbatches, 1)
-        _check_int(owner, "update_every", update_every, 0)
-        _check_int(owner, "seed", seed, None)
-        self.schedule = check_schedule(schedule, owner)
-        if compress and rank is None and compression is None:
-            compression = DEFAULT_COMPRESSION  # so that the bare registered name works
-        try:
-            self.config = SubspaceConfig(
-                rank=rank,
-                compression=compression,
-                seed=seed,
-                mode=mode,  # type: ignore[arg-type]
-                compress=bool(compress),
-                coord_dtype=coord_dtype,  # type: ignore[arg-type]
-                update_every=update_every,
-                update_lr=update_lr,
-            )
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{owner}: {error}") from None
-        if update_every and not compress:
-            raise ValueError(f"{owner}(update_every={update_every}, compress=False): there is no subspace to update.")
-        self.layout = PipelineLayout(num_stages, data_parallel_size)
-        self.n_microbatches = n_microbatches
+        self.schedule = settings.schedule
+        self.config = SubspaceConfig(
+            rank=settings.subspace_dim,
+            compression=settings.resolved_dim_ratio(),
+            seed=settings.seed,
+            mode=settings.mode,
+            compress=settings.compress,
+            coord_dtype=settings.pipeline.boundary_dtype,
+            update_every=settings.update_every,
+            update_lr=settings.update_lr,
+        )
+        self.layout = PipelineLayout(settings.pipeline.num_stages, settings.pipeline.data_parallel_size)
+        self.n_microbatches = settings.num_microbatches
         self.groups: PipelineGroups | None = None
         self.executor: PipelineExecutor | None = None
         self.container: PipelineStageModel | None = None
@@ -212,7 +165,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
         if existing is not None:
             if existing.num_stages != self.num_stages:
                 raise ValueError(
-                    f"{self.owner}(num_stages={self.num_stages}): the module already holds stage "
+                    f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the module already holds stage "
                     f"{existing.stage_index} of a {existing.num_stages}-stage pipeline."
                 )
             self.container = existing
@@ -226,8 +179,8 @@ class SubspacePipelineRuntime(StrategyRuntime):
         num_layers = int(hf_model.config.num_hidden_layers)
         if num_layers < self.num_stages:
             raise ValueError(
-                f"{self.owner}(num_stages={self.num_stages}): the model has only {num_layers} decoder layers; use at "
-                f"most {num_layers} stages."
+                f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the model has only {num_layers} "
+                f"decoder layers; use at most {num_layers} stages."
             )
         self.layer_ranges = [tuple(r) for r in split_layers(num_layers, self.num_stages)]
         # release_unused: the rest of the HF model (other stages' layers) becomes meta tensors, freeing its memory.
@@ -450,10 +403,3 @@ class SubspacePipelineRuntime(StrategyRuntime):
         assert self.container is not None
         export_dense(states, self.container.config, path, tokenizer=tokenizer, subspace_config=self.config)
         return path
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-def _check_int(owner: str, name: str, value: Any, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"{owner}({name}={value!r}): use an int{bound}.")

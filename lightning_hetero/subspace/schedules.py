@@ -36,7 +36,7 @@ class Action:
     microbatch: int
 
 
-def check_schedule(schedule: str, owner: str = "SubspacePipelineStrategy") -> str:
+def check_schedule(schedule: str, owner: str = "SubspacePipelineSettings") -> str:
     """Return the canonical (lowercase) schedule name, or raise a ValueError that lists the supported ones."""
     name = str(schedule).lower().replace("-", "").replace("_", "") if isinstance(schedule, str) else ""
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b"}
@@ -44,11 +44,11 @@ def check_schedule(schedule: str, owner: str = "SubspacePipelineStrategy") -> st
         return aliases[name]
     if isinstance(schedule, str) and schedule.lower() in _MULTI_STAGE_SCHEDULES + ("interleaved_1f1b",):
         raise ValueError(
-            f"{owner}(schedule={schedule!r}): interleaved schedules need several stages per rank, which this runtime "
+            f"{owner}.schedule={schedule!r}: interleaved schedules need several stages per rank, which this runtime "
             f"does not run (one stage per rank keeps every boundary on the wire and in the ledger). "
             f"Use one of {list(SCHEDULES)}."
         )
-    raise ValueError(f"{owner}(schedule={schedule!r}) is not a known schedule; use one of {list(SCHEDULES)}.")
+    raise ValueError(f"{owner}.schedule={schedule!r} is not a known schedule; use one of {list(SCHEDULES)}.")
 
 
 def build_schedule(schedule: str, stage: int, num_stages: int, n_microbatches: int) -> list[Action]:

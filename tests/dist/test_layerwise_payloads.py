@@ -16,6 +16,7 @@ from lightning_hetero import comm
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.layerwise.decoupled import HEADER_LENGTH, ActivationLink
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.testing import run_distributed
 
 BATCH, SEQ, HIDDEN = 4, 12, 32
@@ -137,7 +138,7 @@ def _llama_holder() -> torch.nn.Module:
 
 def _runtime_scenario(rank: int, out: dict[str, Any]) -> None:
     """Stage 0's step 1 is poisoned (NaN embeddings); stage 1 drops that message and keeps training on step 0's."""
-    runtime = DecoupledRuntime(2, mode="async", replay_capacity=3, on_bad_payload="drop")
+    runtime = DecoupledRuntime(LayerwiseSettings(mode="async", replay_capacity=3, on_bad_payload="drop"))
     holder = _llama_holder()
     runtime.setup(holder, _CPU, rank)
     generator = torch.Generator().manual_seed(0)

@@ -19,6 +19,8 @@ from lightning_hetero import comm
 from lightning_hetero.layerwise.decoupled import header_bytes
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.loss_report import LOSS_LABEL
+from lightning_hetero.layerwise.settings import LayerwiseSettings
+from lightning_hetero.pipeline.settings import PipelineSettings
 from lightning_hetero.testing import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS = 64, 32, 12, 8, 3
@@ -63,8 +65,13 @@ def _holder(kind: str) -> nn.Module:
 
 
 def _train_worker(rank: int, world_size: int, kind: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
-    num_stages = options.get("num_stages", world_size)
-    runtime = DecoupledRuntime(**{"num_stages": num_stages, **options})
+    """``options``: fields of :class:`LayerwiseSettings` and of its ``pipeline`` (default: one stage per rank)."""
+    options = dict(options)
+    pipeline = {
+        name: options.pop(name) for name in ("num_stages", "data_parallel_size", "boundary_dtype") if name in options
+    }
+    pipeline.setdefault("num_stages", world_size)
+    runtime = DecoupledRuntime(LayerwiseSettings(pipeline=PipelineSettings(**pipeline), **options))
     holder = _holder(kind)
     runtime.setup(holder, torch.device("cpu"), rank)
     optimizer = torch.optim.SGD(runtime.stage.parameters(), lr=0.1)
@@ -156,7 +163,7 @@ def test_sync_dgl_equals_one_process_and_counts_bytes(kind: str) -> None:
 @pytest.mark.slow
 def test_bf16_and_int8_activation_bytes() -> None:
     for codec, per_token in (("bf16", HIDDEN * 2), ("int8", 4 * (HIDDEN // 4) + 4)):
-        first, second = run_distributed(_train_worker, 2, "llama", {"activation_dtype": codec}, 2, timeout=180)
+        first, second = run_distributed(_train_worker, 2, "llama", {"boundary_dtype": codec}, 2, timeout=180)
         assert first["bytes"][1] == (BATCH * SEQ * per_token, 0), codec
         assert second["losses"][0] > 0
 

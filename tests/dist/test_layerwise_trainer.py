@@ -26,7 +26,7 @@ def _fit(out: Path, max_steps: int, checkpoint: Path | None = None, ckpt_path: P
     """Validation once, at the last step."""
     return fit_ranks(
         out, StrategyStepLlama, _data(),
-        LayerwiseStrategy(num_stages=2, start_method="spawn"), max_steps, checkpoint, ckpt_path,
+        LayerwiseStrategy(start_method="spawn"), max_steps, checkpoint, ckpt_path,
         recorder={"fields": pipeline_fields}, gradient_clip_val=1.0, limit_val_batches=1,
         check_val_every_n_epoch=max_steps, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -80,7 +80,7 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fabric_trains_evaluates_and_saves(tmp_path: Path) -> None:
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricLayerwiseStrategy(num_stages=2, start_method="spawn"))
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricLayerwiseStrategy(start_method="spawn"))
     fabric.launch(_fabric_train, tmp_path)
     records = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     for record in records:

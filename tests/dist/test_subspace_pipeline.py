@@ -16,7 +16,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero import comm
+from lightning_hetero.pipeline.settings import PipelineSettings
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 from lightning_hetero.testing import run_distributed
 
 VOCAB, HIDDEN, K, SEQ, BATCH = 64, 32, 8, 12, 8
@@ -72,8 +74,11 @@ def _pipeline_worker(rank: int, world_size: int, num_stages: int, runs: list[dic
     results = []
     dp = world_size // num_stages
     for run in runs:
+        options = {"subspace_dim": K, **run}
+        codec = options.pop("boundary_dtype", "fp32")
+        pipeline = PipelineSettings(num_stages=num_stages, data_parallel_size=dp, boundary_dtype=codec)
         runtime = SubspacePipelineRuntime(
-            num_stages, data_parallel_size=dp, n_microbatches=4, seed=0, **{"rank": K, **run}
+            SubspacePipelineSettings(pipeline=pipeline, n_microbatches=4, seed=0, **options)
         )
         holder = nn.Module()
         holder.model = _hf_model()
@@ -96,7 +101,9 @@ def _pipeline_worker(rank: int, world_size: int, num_stages: int, runs: list[dic
 
 def _update_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Two AdamW steps with a subspace update after each; then the basis, an eval loss and (rank 0) all stage states."""
-    runtime = SubspacePipelineRuntime(2, rank=K, n_microbatches=2, update_every=1, update_lr=0.5)
+    runtime = SubspacePipelineRuntime(
+        SubspacePipelineSettings(subspace_dim=K, n_microbatches=2, update_every=1, update_lr=0.5)
+    )
     holder = nn.Module()
     holder.model = _hf_model()
     runtime.setup(holder, torch.device("cpu"), rank)
@@ -141,7 +148,7 @@ def _check_update(results: list[dict[str, Any]]) -> None:
 
 def _check_parity(results: list[list[dict]], runs: list[dict], num_stages: int, dp: int) -> None:
     for index, run in enumerate(runs):
-        if run.get("coord_dtype", "fp32") != "fp32":
+        if run.get("boundary_dtype", "fp32") != "fp32":
             continue
         batches = [_batch(seed=3 + d) for d in range(dp)]
         loss, grads = _reference(run, num_stages, batches)
@@ -175,8 +182,8 @@ RUNS_2 = [
     {"schedule": "gpipe"},
     {"schedule": "1f1b"},
     {"schedule": "1f1b", "mode": "projected"},
-    {"schedule": "1f1b", "compress": False, "rank": None},
-    {"schedule": "gpipe", "coord_dtype": "bf16"},  # ledger only (bf16 coordinates are not bit-exact)
+    {"schedule": "1f1b", "compress": False, "subspace_dim": None},
+    {"schedule": "gpipe", "boundary_dtype": "bf16"},  # ledger only (bf16 coordinates are not bit-exact)
 ]
 
 
@@ -206,7 +213,7 @@ def test_two_stages_match_one_process_and_bytes_are_exact(two_stage_results):
     assert results[0][4]["boundary_bytes"] == (BATCH // 4) * SEQ * K * 2  # bf16 coordinates: 2 bytes each
 
 
-RUNS_4 = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "gpipe", "compress": False, "rank": None}]
+RUNS_4 = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "gpipe", "compress": False, "subspace_dim": None}]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_hetero.models import CausalLMModule
 from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
 from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 from tests.fixtures import StrategyStepLlama, ValidatedTokenData, fit_ranks, pipeline_fields
 from tests.token_data import TINY_LLAMA, progressions
 
@@ -56,10 +57,10 @@ def _fit(
     )
 
 
-def _strategy(**kwargs: Any) -> SubspacePipelineStrategy:
-    return SubspacePipelineStrategy(
-        **{"num_stages": 2, "rank": 8, "n_microbatches": 2, "start_method": "spawn", **kwargs}
-    )
+def _strategy(**settings: Any) -> SubspacePipelineStrategy:
+    """2 stages, k = 8, 2 micro-batches, plus ``settings`` (fields of :class:`SubspacePipelineSettings`)."""
+    options = {"subspace_dim": 8, "n_microbatches": 2, **settings}
+    return SubspacePipelineStrategy(settings=SubspacePipelineSettings(**options), start_method="spawn")
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,8 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fabric_loss_falls_and_resume_is_bit_identical(tmp_path):
-    strategy = FabricSubspacePipelineStrategy(num_stages=2, rank=8, n_microbatches=2, start_method="spawn")
+    settings = SubspacePipelineSettings(subspace_dim=8, n_microbatches=2)
+    strategy = FabricSubspacePipelineStrategy(settings=settings, start_method="spawn")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_fabric_train, tmp_path)
     stage0, stage1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2))

@@ -3,7 +3,7 @@
 The work is done by :class:`~lightning_hetero.layerwise.dgl_runtime.DecoupledRuntime`, shared with the Trainer
 strategy. Usage::
 
-    strategy = LayerwiseStrategy(num_stages=2)
+    strategy = LayerwiseStrategy(settings=LayerwiseSettings(pipeline=PipelineSettings(num_stages=2)))
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     model = fabric.setup_module(model)  # a module holding the HF model / CNN -> this rank's stage
@@ -22,14 +22,14 @@ model's loss on every rank); ``fabric.save``/``fabric.load`` write and read a fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 
 __all__ = ["LayerwiseStrategy"]
@@ -38,11 +38,14 @@ __all__ = ["LayerwiseStrategy"]
 class LayerwiseStrategy(PipelineFabricStrategy):
     """Fabric strategy: one block per stage, local losses, activations sent forward only.
 
-    Arguments as in the Trainer's :class:`lightning_hetero.LayerwiseStrategy` (``num_stages``, ``boundaries``,
-    ``data_parallel_size``, ``aux_head``, ``aux_outputs``, ``mode``, ``replay_capacity``, ``max_in_flight``,
-    ``activation_dtype``, ``on_bad_payload``), plus Fabric's (``**kwargs``; see
-    :class:`~lightning_hetero.strategies.FabricStrategyBase`).
+    Args:
+        settings: The strategy's settings (see :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`);
+            default: all defaults.
+        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
+            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
+
+    settings_class: ClassVar[type] = LayerwiseSettings
 
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     backward_refusal = (
@@ -50,21 +53,14 @@ class LayerwiseStrategy(PipelineFabricStrategy):
         "forward, local loss and backward, and returns the loss."
     )
 
-    def __init__(
-        self,
-        num_stages: int = 2,
-        boundaries: Sequence[int] | None = None,
-        data_parallel_size: int = 1,
-        aux_head: str = "linear",
-        aux_outputs: int | None = None,
-        mode: str = "sync",
-        replay_capacity: int = 4,
-        max_in_flight: int = 2,
-        activation_dtype: str = "fp32",
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
+    def __init__(self, settings: LayerwiseSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
+        super().__init__(DecoupledRuntime(settings or LayerwiseSettings(), owner=type(self).__name__), **kwargs)
+
+    @property
+    def settings(self) -> LayerwiseSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     def train_step(self, batch: Any) -> Tensor:
         """This stage's DGL step (gradients land in ``.grad``, averaged over replicas); returns its local loss."""

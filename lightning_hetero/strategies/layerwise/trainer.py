@@ -5,7 +5,8 @@ CNN as ``nn.Sequential``; split by :func:`lightning_hetero.layerwise.blocks.spli
 loss, and sends its detached output to the next stage; nothing travels backwards. The work is done by
 :class:`~lightning_hetero.layerwise.dgl_runtime.DecoupledRuntime`; this adapter decides when it runs:
 
-- ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against ``num_stages * data_parallel_size``.
+- ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against
+  ``settings.pipeline.num_stages * settings.pipeline.data_parallel_size``.
 - ``setup``: the model inside the module is replaced by this rank's stage (block + local head; the stem on stage 0)
   before the optimizers, so ``configure_optimizers`` sees only the stage's parameters.
 - ``training_step``: the stage's DGL step (input, block, send, local loss, backward); ``train/loss`` and
@@ -17,9 +18,9 @@ loss, and sends its detached output to the next stage; nothing travels backwards
 - ``validation_step``/``test_step``: a forward-only pass through every stage; ``val/loss`` (the model's loss,
   broadcast from the last stage) on every rank.
 - checkpoints: a folder with ``stage_<s>.pt`` per stage plus ``meta.json``, restored after setup.
-- ``export_dir``: when fit ends, the whole model is gathered to rank 0 and written there as an ordinary model, as
-  ``GreedyLayerwise(export_dir=...)`` does (HF: ``save_pretrained``; CNN: ``model.pt``); :meth:`export` does it on
-  demand.
+- ``settings.export_dir``: when fit ends, the whole model is gathered to rank 0 and written there as an ordinary
+  model, as ``GreedyLayerwise(export_dir=...)`` does (HF: ``save_pretrained``; CNN: ``model.pt``); :meth:`export`
+  does it on demand.
 
 The module's own ``training_step``/``validation_step`` are not called. Manual optimization is not supported. The
 shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_grad``, metric reduction) is
@@ -28,17 +29,17 @@ shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 
 __all__ = ["LayerwiseStrategy"]
@@ -48,47 +49,26 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
     """Decoupled greedy layerwise training: one block per stage, local losses, activations sent forward only.
 
     Args:
-        num_stages: Pipeline stages (one block each); the world must have ``num_stages * data_parallel_size`` ranks.
-        boundaries: Unit indices (layers / conv stages) at which stages 1.. start; default: balanced.
-        data_parallel_size: Replicas of every stage; a stage's gradients are averaged over its replicas.
-        aux_head: Local head of the stages before the last: ``"linear"``, ``"mlp"`` or ``"lm_head"``.
-        aux_outputs: Outputs of the auxiliary heads (None: the model's classes / vocabulary).
-        mode: ``"sync"`` or ``"async"`` (bounded replay buffer; stages never wait for fresh activations while they
-            hold some less than ``replay_capacity`` steps old).
-        replay_capacity: Replay buffer entries (asynchronous mode).
-        max_in_flight: Outstanding sends before a stage waits for the link.
-        activation_dtype: ``"fp32"``, ``"bf16"`` or ``"int8"`` activations on the wire.
-        on_bad_payload: What corrupt activations from the previous stage do (see ``docs/reliability.md``):
-            ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"``
-            (``mode="async"`` only): the message is left out (logged, counted) and the stage trains on the newest
-            usable activations in its replay buffer; with none usable it raises.
-        export_dir: Write the trained model there when fit ends (HF ``save_pretrained``; a CNN: ``model.pt``), as
-            :class:`~lightning_hetero.callbacks.GreedyLayerwise` does. Auxiliary heads are not part of it.
+        settings: The strategy's settings (see :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`);
+            default: all defaults.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
+
+    settings_class: ClassVar[type] = LayerwiseSettings
 
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
     predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."
 
-    def __init__(
-        self,
-        num_stages: int = 2,
-        boundaries: Sequence[int] | None = None,
-        data_parallel_size: int = 1,
-        aux_head: str = "linear",
-        aux_outputs: int | None = None,
-        mode: str = "sync",
-        replay_capacity: int = 4,
-        max_in_flight: int = 2,
-        activation_dtype: str = "fp32",
-        on_bad_payload: str = "raise",
-        export_dir: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(DecoupledRuntime(**runtime_arguments(DecoupledRuntime, locals())), **kwargs)
-        self.export_dir = None if export_dir is None else str(export_dir)
+    def __init__(self, settings: LayerwiseSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
+        super().__init__(DecoupledRuntime(settings or LayerwiseSettings(), owner=type(self).__name__), **kwargs)
+
+    @property
+    def settings(self) -> LayerwiseSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     @override
     def teardown(self) -> None:
@@ -106,8 +86,8 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self.export_dir is not None:
-            path = self.export(self.export_dir)
+        if self.settings.export_dir is not None:
+            path = self.export(self.settings.export_dir)
             if path is not None:
                 rank_zero_info(f"LayerwiseStrategy: trained model written to {path}")
 

@@ -3,7 +3,8 @@
 The work is done by :class:`~lightning_hetero.subspace.runtime.SubspacePipelineRuntime`, shared with the Trainer
 strategy; this module decides when it runs. Usage::
 
-    strategy = SubspacePipelineStrategy(num_stages=2, compression=16, n_microbatches=4)
+    settings = SubspacePipelineSettings(pipeline=PipelineSettings(num_stages=2), dim_ratio=16, n_microbatches=4)
+    strategy = SubspacePipelineStrategy(settings=settings)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     model = fabric.setup_module(model)  # an HF Llama (or a module holding one) -> this rank's stage
@@ -21,16 +22,17 @@ forward-only pass; ``fabric.save``/``fabric.load`` write and read a folder with 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
 __all__ = ["SubspacePipelineStrategy"]
 
@@ -38,12 +40,14 @@ __all__ = ["SubspacePipelineStrategy"]
 class SubspacePipelineStrategy(PipelineFabricStrategy):
     """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
 
-    Arguments as in the Trainer's :class:`lightning_hetero.SubspacePipelineStrategy` (``num_stages``, ``rank`` or
-    ``compression``, ``schedule``, ``n_microbatches``, ``data_parallel_size``, ``compress``, ``mode``,
-    ``coord_dtype``, ``update_every``, ``update_lr``, ``seed``), plus Fabric's (``**kwargs``: ``accelerator``,
-    ``precision``, ``process_group_backend``, ``timeout``, ``start_method``, ...; see
-    :class:`~lightning_hetero.strategies.FabricStrategyBase`).
+    Args:
+        settings: The strategy's settings (see :class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`);
+            default: all defaults.
+        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
+            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
+
+    settings_class: ClassVar[type] = SubspacePipelineSettings
 
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see the "
@@ -54,24 +58,15 @@ class SubspacePipelineStrategy(PipelineFabricStrategy):
         "forward and backward of every microbatch through the pipeline and returns the loss."
     )
 
-    def __init__(
-        self,
-        num_stages: int = 2,
-        rank: int | None = None,
-        compression: float | None = None,
-        schedule: str = "1f1b",
-        n_microbatches: int | None = None,
-        data_parallel_size: int = 1,
-        compress: bool = True,
-        mode: str = "reparam",
-        coord_dtype: str = "fp32",
-        update_every: int = 0,
-        update_lr: float = 0.1,
-        seed: int = 0,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
+    def __init__(self, settings: SubspacePipelineSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, SubspacePipelineSettings.RENAMED)
+        runtime = SubspacePipelineRuntime(settings or SubspacePipelineSettings(), owner=type(self).__name__)
+        super().__init__(runtime, **kwargs)
+
+    @property
+    def settings(self) -> SubspacePipelineSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     @property
     def steps(self) -> int:

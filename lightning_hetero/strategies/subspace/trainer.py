@@ -1,12 +1,14 @@
 """``SubspacePipelineStrategy`` for the Lightning Trainer: pipeline parallelism whose boundaries carry k numbers/token.
 
 Each rank runs one stage of an HF Llama-family model found inside the user's LightningModule (stage-major layout:
-global rank ``r`` runs stage ``r // data_parallel_size`` of replica ``r % data_parallel_size``). The strategy owns
+global rank ``r`` runs stage ``r // data_parallel_size`` of replica ``r % data_parallel_size``; see
+:class:`~lightning_hetero.pipeline.settings.PipelineSettings`). The strategy owns
 the schedule; the module's own ``training_step``/``validation_step`` are not called (see below).
 
 How it plugs into the Trainer (a ``DDPStrategy`` for the launcher and process group, without the DDP wrapper):
 
-- ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against ``num_stages * data_parallel_size``.
+- ``_configure_launcher`` (in ``Trainer(...)``): the world size is checked against
+  ``settings.pipeline.num_stages * settings.pipeline.data_parallel_size``.
 - ``setup``: the HF model inside the module is replaced by this rank's stage (after ``configure_model``, before the
   optimizers, so ``configure_optimizers`` sees only the stage's parameters); unsupported settings are refused here.
 - ``training_step``: the whole schedule (forward and backward of every microbatch) runs here, under the precision
@@ -26,7 +28,7 @@ With ``automatic_optimization = False`` the module's ``training_step`` runs inst
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 from lightning.fabric.utilities.types import _PATH
@@ -34,10 +36,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
 __all__ = ["SubspacePipelineStrategy"]
 
@@ -51,26 +54,13 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy):
     through the same pipeline (``d`` numbers per token).
 
     Args:
-        num_stages: Pipeline stages ``P``; the world must have ``P * data_parallel_size`` processes.
-        rank: ``k``, coordinates per token at a boundary. Exclusive with ``compression``.
-        compression: ``d / k`` instead of ``rank``. Neither given: ``compression=16`` (so the bare name
-            ``strategy="subspace_pipeline"`` works).
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``. Interleaved schedules are refused (one stage per rank).
-        n_microbatches: Microbatches per batch; the batch size must be a multiple. Default: ``num_stages``.
-        data_parallel_size: Replicated pipelines ``D``; each stage's gradients are averaged over its replicas, and the
-            data loader is sharded over replicas only (all stages of a replica read the same batch).
-        compress: False: plain pipeline baseline (no subspace constraint).
-        mode: ``"reparam"`` (weights stored as ``U Z``; any optimizer) or ``"projected"`` (HF-shaped weights, projected
-            gradients; pair it with ``SubspaceAdamW``).
-        coord_dtype: Boundary codec: ``"fp32"``, ``"bf16"`` or ``"int8"`` (lossy, per-token scale).
-        update_every: Optimizer steps between subspace updates (0: frozen U).
-        update_lr: Step size of the subspace update.
-        seed: Seed of U and T_fixed (identical on every rank without communication).
-        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError`, the only choice (a stage needs its input).
+        settings: The strategy's settings (see :class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`);
+            default: all defaults.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
+
+    settings_class: ClassVar[type] = SubspacePipelineSettings
 
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
@@ -85,24 +75,15 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy):
         "predict with a plain strategy."
     )
 
-    def __init__(
-        self,
-        num_stages: int = 2,
-        rank: int | None = None,
-        compression: float | None = None,
-        schedule: str = "1f1b",
-        n_microbatches: int | None = None,
-        data_parallel_size: int = 1,
-        compress: bool = True,
-        mode: str = "reparam",
-        coord_dtype: str = "fp32",
-        update_every: int = 0,
-        update_lr: float = 0.1,
-        seed: int = 0,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(SubspacePipelineRuntime(**runtime_arguments(SubspacePipelineRuntime, locals())), **kwargs)
+    def __init__(self, settings: SubspacePipelineSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, SubspacePipelineSettings.RENAMED)
+        runtime = SubspacePipelineRuntime(settings or SubspacePipelineSettings(), owner=type(self).__name__)
+        super().__init__(runtime, **kwargs)
+
+    @property
+    def settings(self) -> SubspacePipelineSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     # ------------------------------------------------------------------------------------------------ public
     def train_step(self, batch: Any) -> Tensor:

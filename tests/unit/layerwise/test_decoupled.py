@@ -10,6 +10,8 @@ from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer
+from lightning_hetero.layerwise.settings import LayerwiseSettings
+from lightning_hetero.pipeline.settings import PipelineSettings
 
 
 def _cnn() -> nn.Sequential:
@@ -48,8 +50,8 @@ def test_replay_buffer_keeps_at_most_capacity_and_bounds_staleness() -> None:
 def test_replay_capacity_must_be_a_positive_int(capacity: object) -> None:
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(capacity)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="replay_capacity"):
-        DecoupledRuntime(2, replay_capacity=capacity)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="LayerwiseSettings.replay_capacity"):
+        LayerwiseSettings(replay_capacity=capacity)  # type: ignore[arg-type]
 
 
 def test_batch_ring_forgets_old_steps() -> None:
@@ -74,24 +76,27 @@ def test_signature_and_header() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_stages": 0}, "num_stages"),
+        ({"pipeline": {"num_stages": 0}}, "num_stages"),
         ({"mode": "eventually"}, "mode"),
         ({"aux_head": "conv"}, "aux_head"),
-        ({"activation_dtype": "fp8"}, "activation_dtype"),
-        ({"num_stages": 3, "boundaries": [1]}, "num_stages - 1 = 2 boundaries"),
-        ({"data_parallel_size": 0}, "data_parallel_size"),
+        ({"pipeline": {"boundary_dtype": "fp8"}}, "boundary_dtype"),
+        ({"pipeline": {"num_stages": 3}, "boundaries": [1]}, "num_stages - 1 = 2 boundaries"),
+        ({"pipeline": {"data_parallel_size": 0}}, "data_parallel_size"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        DecoupledRuntime(**kwargs)
+    kwargs = dict(kwargs)
+    pipeline = kwargs.pop("pipeline", {})
+    with pytest.raises(ValueError, match=match):  # the settings check themselves, before any runtime exists
+        LayerwiseSettings(pipeline=PipelineSettings(**pipeline), **kwargs)
 
 
 def test_world_size_is_checked_before_launch() -> None:
     from lightning_hetero.core import WorldLayout
 
+    runtime = DecoupledRuntime(LayerwiseSettings(pipeline=PipelineSettings(data_parallel_size=2)))
     with pytest.raises(ValueError, match="needs 4"):
-        DecoupledRuntime(2, data_parallel_size=2).resolve_launch(WorldLayout(1, 2))
+        runtime.resolve_launch(WorldLayout(1, 2))
 
 
 def test_split_that_does_not_fit_the_model_is_refused() -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.layerwise.decoupled import HEADER_LENGTH, MAX_MESSAGE_ELEMENTS, ActivationLink
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
 from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy as FabricLayerwise
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
@@ -116,22 +117,21 @@ def test_a_payload_of_the_wrong_length_or_dtype_is_refused(wire: torch.Tensor, m
 
 
 def test_drop_needs_asynchronous_mode_and_a_known_policy() -> None:
-    with pytest.raises(ValueError, match="on_bad_payload='drop'.*use mode='async'"):
-        DecoupledRuntime(2, on_bad_payload="drop")
+    with pytest.raises(ValueError, match="on_bad_payload='drop' with LayerwiseSettings.mode='sync'.*use mode='async'"):
+        LayerwiseSettings(on_bad_payload="drop")
     with pytest.raises(ValueError, match="on_bad_payload='ignore'"):
-        DecoupledRuntime(2, on_bad_payload="ignore")
+        LayerwiseSettings(on_bad_payload="ignore")
     with pytest.raises(ValueError, match="on_bad_payload='drop'"):
         ActivationLink(1, on_bad_payload="drop")
     assert ActivationLink(1, asynchronous=True, on_bad_payload="drop").on_bad_payload == "drop"
-    assert DecoupledRuntime(2, mode="async", on_bad_payload="drop").on_bad_payload == "drop"
+    assert DecoupledRuntime(LayerwiseSettings(mode="async", on_bad_payload="drop")).on_bad_payload == "drop"
 
 
 @pytest.mark.parametrize("strategy_class", [LayerwiseStrategy, FabricLayerwise])
 def test_the_strategies_hand_the_policy_to_the_runtime(strategy_class: type) -> None:
-    assert strategy_class(mode="async", on_bad_payload="drop").runtime.on_bad_payload == "drop"
+    settings = LayerwiseSettings(mode="async", on_bad_payload="drop")
+    assert strategy_class(settings=settings).runtime.on_bad_payload == "drop"
     assert strategy_class().runtime.on_bad_payload == "raise"
-    with pytest.raises(ValueError, match="LayerwiseStrategy\\(on_bad_payload='drop'\\)"):
-        strategy_class(on_bad_payload="drop")
 
 
 # ------------------------------------------------------------------------------------------------ announced sizes

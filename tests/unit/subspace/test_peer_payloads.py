@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
 from lightning_hetero.subspace.pipeline import BACKWARD_TAG, FORWARD_TAG, PipelineExecutor
-from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,9 +79,9 @@ def test_the_executor_checks_what_it_receives_from_each_direction(tag, what):
 
 def test_drop_is_refused_for_the_pipeline_with_the_reason():
     with pytest.raises(ValueError, match="on_bad_payload='drop'.*cannot be dropped; use on_bad_payload='raise'"):
-        SubspacePipelineRuntime(num_stages=2, on_bad_payload="drop")
+        SubspacePipelineSettings(on_bad_payload="drop")
     with pytest.raises(ValueError, match="on_bad_payload='ignore'"):
-        SubspacePipelineRuntime(num_stages=2, on_bad_payload="ignore")
+        SubspacePipelineSettings(on_bad_payload="ignore")
 
 
 # ------------------------------------------------------------------------------------------------ the decoder rule

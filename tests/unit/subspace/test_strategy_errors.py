@@ -8,40 +8,43 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_hetero.pipeline.settings import PipelineSettings
 from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
 from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
 from lightning_hetero.subspace import checkpoint as ckpt
 from lightning_hetero.subspace.pipeline import split_batch
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
 
 @pytest.mark.parametrize("cls", [SubspacePipelineStrategy, FabricSubspacePipelineStrategy])
 def test_bad_arguments_name_the_argument(cls):
-    with pytest.raises(ValueError, match=r"schedule='zigzag'\) is not a known schedule"):
-        cls(num_stages=2, rank=8, schedule="zigzag")
+    with pytest.raises(ValueError, match=r"schedule='zigzag' is not a known schedule"):
+        cls(settings=SubspacePipelineSettings(subspace_dim=8, schedule="zigzag"))
     with pytest.raises(ValueError, match="interleaved schedules need several stages per rank"):
-        cls(num_stages=2, rank=8, schedule="interleaved")
-    with pytest.raises(ValueError, match="rank"):
-        cls(num_stages=2, rank=8, compression=4.0)  # exclusive
-    assert cls(num_stages=2).runtime.config.compression == 16.0  # the default when neither is given
-    with pytest.raises(ValueError, match=r"num_stages=0\): use an int >= 1"):
-        cls(num_stages=0, rank=8)
-    with pytest.raises(ValueError, match=r"n_microbatches=0\)"):
-        cls(num_stages=2, rank=8, n_microbatches=0)
-    with pytest.raises(ValueError, match=r"update_every=5, compress=False\): there is no subspace"):
-        cls(num_stages=2, compress=False, update_every=5)
+        cls(settings=SubspacePipelineSettings(subspace_dim=8, schedule="interleaved"))
+    with pytest.raises(ValueError, match="subspace_dim"):
+        cls(settings=SubspacePipelineSettings(subspace_dim=8, dim_ratio=4.0))  # exclusive
+    assert cls().runtime.config.compression == 16.0  # the default when neither is given
+    with pytest.raises(ValueError, match=r"num_stages=0: use an int >= 1"):
+        cls(settings=SubspacePipelineSettings(pipeline=PipelineSettings(num_stages=0), subspace_dim=8))
+    with pytest.raises(ValueError, match=r"n_microbatches=0: use an int >= 1"):
+        cls(settings=SubspacePipelineSettings(subspace_dim=8, n_microbatches=0))
+    with pytest.raises(ValueError, match=r"update_every=5 with .*compress=False: there is no subspace"):
+        cls(settings=SubspacePipelineSettings(compress=False, update_every=5))
     with pytest.raises(ValueError, match="mode"):
-        cls(num_stages=2, rank=8, mode="sideways")
-    cls(num_stages=2, compress=False)  # the plain pipeline needs no rank
+        cls(settings=SubspacePipelineSettings(subspace_dim=8, mode="sideways"))
+    cls(settings=SubspacePipelineSettings(compress=False))  # the plain pipeline needs no subspace_dim
 
 
 def test_world_size_must_be_stages_times_replicas():
-    strategy = SubspacePipelineStrategy(num_stages=2, rank=8, data_parallel_size=2, start_method="spawn")
+    settings = SubspacePipelineSettings(pipeline=PipelineSettings(data_parallel_size=2), subspace_dim=8)
+    strategy = SubspacePipelineStrategy(settings=settings, start_method="spawn")
     with pytest.raises(ValueError, match=r"world has 3 processes but num_stages=2 x data_parallel_size=2 needs 4"):
         L.Trainer(accelerator="cpu", devices=3, strategy=strategy, logger=False)
 
 
 def test_gradient_accumulation_is_refused_with_the_fix():
-    strategy = SubspacePipelineStrategy(num_stages=2, rank=8)
+    strategy = SubspacePipelineStrategy(settings=SubspacePipelineSettings(subspace_dim=8))
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=4.*Raise n_microbatches"):
         strategy._check_trainer(SimpleNamespace(accumulate_grad_batches=4))
     strategy._check_trainer(SimpleNamespace(accumulate_grad_batches=1))
