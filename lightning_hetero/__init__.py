@@ -4,14 +4,21 @@ Importing this package is cheap (neither Lightning nor transformers is imported)
 (lowercase) to be registered in both the Trainer ``StrategyRegistry`` and Fabric's ``STRATEGY_REGISTRY`` as soon as
 Lightning loads them (see :mod:`lightning_hetero.strategies.registry`). The Trainer strategies are importable from
 here (``lightning_hetero.FlexDeMoStrategy``, ``MatFormerStrategy``, ``SubspacePipelineStrategy``), the Fabric ones
-from :mod:`lightning_hetero.fabric`; both load on first access.
+from :mod:`lightning_hetero.fabric`, and each strategy's typed settings from both (``FlexDeMoSettings``,
+``MatFormerSettings``, ``ReplicationSettings``, ...: ``strategies.registry.SETTINGS_CLASSES``); all load on first
+access.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_hetero.strategies.registry import exported_classes, lazy_class, register_when_lightning_loads
+from lightning_hetero.strategies.registry import (
+    SETTINGS_CLASSES,
+    exported_classes,
+    lazy_class,
+    register_when_lightning_loads,
+)
 
 if TYPE_CHECKING:  # for type checkers (test_registry matches them to the table); at run time: on first access
     from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy as FlexDeMoStrategy
@@ -32,4 +39,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *exported_classes(fabric=False)])
+    return sorted([*globals(), *exported_classes(fabric=False), *SETTINGS_CLASSES])

@@ -9,27 +9,91 @@ registered names because importing :mod:`lightning_hetero` registers them before
 It takes a user's code as a stock ``LightningCLI`` script does: ``data`` is optional (a module with its own
 ``train_dataloader`` needs none), and ``class_path: mynets.MyModel`` is imported from the current directory, as
 ``python script.py`` / ``python -m`` would, without ``PYTHONPATH=.``.
+
+Strategy settings live in one typed object per strategy, ``init_args: {settings: {...}}`` (e.g.
+``--trainer.strategy.init_args.settings.shard_size=2``); jsonargparse validates them and ``--trainer.strategy.help
+FlexDeMoStrategy`` lists every field with its doc. A key renamed in 0.2 (``init_args: {compression: 0.03}``) fails
+with a message naming where it went (the strategy class' ``settings_class.RENAMED``), not a generic "not accepted".
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import sys
+from typing import Any, NoReturn
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_hetero  # noqa: F401  (registers strategy names)
 import lightning_hetero.callbacks  # noqa: F401  (short names for callbacks in YAML)
 import lightning_hetero.data  # noqa: F401  (short names for data modules in YAML)
 import lightning_hetero.models  # noqa: F401  (short names for modules in YAML)
-from lightning_hetero import (  # noqa: F401  (short class names for strategies: ``class_path: MatFormerStrategy``)
+
+# Short class names: strategies (``class_path: MatFormerStrategy``) and their typed settings
+# (``lightning_hetero.cli.FlexDeMoSettings``; YAML needs no class_path for ``init_args: {settings: {...}}``).
+from lightning_hetero import (  # noqa: F401
+    FlexDeMoSettings,
     FlexDeMoStrategy,
+    LayerwiseSettings,
     LayerwiseStrategy,
+    MatFormerSettings,
     MatFormerStrategy,
+    ReplicationSettings,
+    SparseFlipSettings,
     SparseFlipStrategy,
+    SubspacePipelineSettings,
     SubspacePipelineStrategy,
 )
+from lightning_hetero.core.settings import RenamedSettingError, reject_renamed
+
+# jsonargparse's message for a key a class does not take, under the class it was given to (one key per message).
+_NOT_ACCEPTED = re.compile(
+    r"class_path '(?P<path>[\w.]+)'(?:(?!class_path ').)*?"
+    r"(?:Option '(?P<key>[\w.]+)' is not accepted|unrecognized arguments: --(?P<arg>[\w.]+))",
+    re.S,
+)
+
+
+def renamed_setting_message(message: str) -> str | None:
+    """The renamed-key explanation for a jsonargparse error ``message``, or None when it is about something else.
+
+    A strategy class with a ``settings_class`` declares its renamed keys in ``settings_class.RENAMED``; strategies
+    without one (not converted yet, or a user's) are skipped.
+    """
+    for match in _NOT_ACCEPTED.finditer(message):
+        cls = _import_class_path(match["path"])
+        renamed = getattr(getattr(cls, "settings_class", None), "RENAMED", None)
+        if cls is None or not isinstance(renamed, dict):
+            continue
+        # A dotted key (``replicator_options.values``, ``settings.compression``): its first renamed part.
+        parts = (match["key"] or match["arg"]).split(".")
+        try:
+            reject_renamed(cls.__name__, parts, renamed)
+        except RenamedSettingError as error:
+            return str(error)
+    return None
+
+
+def _import_class_path(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001  (an unimportable class_path: jsonargparse's own message stands)
+        return None
+
+
+class HeteroArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors about a renamed strategy setting name the new key."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Report ``message``; one about a key renamed in 0.2 is replaced by where the key went."""
+        renamed = renamed_setting_message(message)
+        if renamed is not None:
+            message = renamed
+        super().error(message, ex)
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
@@ -49,6 +113,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": True},
+        parser_class=HeteroArgumentParser,
         seed_everything_default=42,
         args=args,
         run=run,

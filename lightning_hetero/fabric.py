@@ -1,15 +1,15 @@
 """Fabric strategies of lightning-hetero (the Trainer strategies live at the package top level).
 
 ``Fabric(strategy=MatFormerStrategy(tiers=[0, 1]))`` or ``Fabric(strategy="matformer")``; likewise
-``FlexDeMoStrategy`` (``"flexdemo"``) and ``SubspacePipelineStrategy`` (``"subspace_pipeline"``). Each class loads on
-first access.
+``FlexDeMoStrategy`` (``"flexdemo"``) and ``SubspacePipelineStrategy`` (``"subspace_pipeline"``). The typed settings
+are here too (``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2))``). Each class loads on first access.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_hetero.strategies.registry import exported_classes, lazy_class
+from lightning_hetero.strategies.registry import SETTINGS_CLASSES, exported_classes, lazy_class
 
 if TYPE_CHECKING:  # for type checkers (test_registry matches them to the table); at run time: on first access
     from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FlexDeMoStrategy
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *exported_classes(fabric=True)])
+    return sorted([*globals(), *exported_classes(fabric=True), *SETTINGS_CLASSES])

@@ -57,7 +57,7 @@ class OverlapHooks:
                     "FlexDeMo: a second backward produced gradients for a unit whose inter-node exchange was already "
                     "launched in this optimizer step. Run accumulation micro-batches without sync (the Trainer does "
                     "this for accumulate_grad_batches; with Fabric wrap them in fabric.no_backward_sync(model)), or "
-                    "use overlap=False."
+                    "use FlexDeMoSettings(overlap=False)."
                 )
             self._ready[index].add(id(param))
             self._launch_ready()

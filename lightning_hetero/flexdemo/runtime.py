@@ -1,7 +1,8 @@
 """The loop-independent core of the FlexDeMo strategies, shared by the Trainer and Fabric adapters.
 
-:class:`FlexDeMoRuntime` calls no Lightning API. It validates the knobs (a bad replicator or compression fails when
-the strategy is constructed), builds the ``(replicate, shard)`` mesh, shards the model copy with FSDP2 and broadcasts
+:class:`FlexDeMoRuntime` calls no Lightning API. It takes a
+:class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings` (validated when built, so a bad value fails when the
+strategy is constructed), builds the ``(replicate, shard)`` mesh, shards the model copy with FSDP2 and broadcasts
 the first replica's state, converts and binds the optimizer, installs the overlap hooks, clips with the node's
 gradient norm, runs the drift guard and reports communication statistics. The adapters decide *when*.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hetero import comm
-from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, clip_grad_norm_over_group, process_rank_and_size
 from lightning_hetero.core.drift import check_replica_drift
 from lightning_hetero.flexdemo import checkpoint as ckpt
 from lightning_hetero.flexdemo.conversion import convert_optimizer
 from lightning_hetero.flexdemo.overlap import OverlapHooks
 from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.flexdemo.sharding import (
     ShardingUnit,
     apply_activation_checkpointing,
@@ -37,14 +38,13 @@ from lightning_hetero.flexdemo.sharding import (
     warn_no_blocks,
 )
 from lightning_hetero.flexdemo.topology import Topology, build_topology, resolve_shard_size
-from lightning_hetero.replication import build_replicator
+from lightning_hetero.replication import Replicator
+from lightning_hetero.replication.settings import ReplicatorKind
 
-__all__ = ["DEFAULT_COMPRESSION", "DEFAULT_REPLICATOR", "FlexDeMoRuntime"]
+__all__ = ["DEFAULT_REPLICATOR", "FlexDeMoRuntime"]
 
-DEFAULT_REPLICATOR = "demo"
+DEFAULT_REPLICATOR: ReplicatorKind = "demo"
 """The replicator used when none is given and the run has two or more model copies."""
-DEFAULT_COMPRESSION = 1 / 32
-"""The fraction of coefficients kept when no compression is given."""
 
 log = logging.getLogger(__name__)
 
@@ -53,76 +53,25 @@ class FlexDeMoRuntime(StrategyRuntime):
     """Shared FlexDeMo logic: topology, sharding, optimizer binding, overlap, clipping, drift guard, statistics.
 
     Args:
-        replicator: Replicator name for converted optimizers (``"demo"``, ``"random"``, ``"striding"``,
-            ``"diloco"``, ``"full"``, ``"topk"``). None (default): ``"demo"`` when the run has two or more model
-            copies, ``"full"`` (no compression) when it has one, since nothing then crosses nodes and compressing
-            would only lose information. A replicator, compression or option given explicitly is kept (with a
-            warning on one copy).
-        compression: Fraction of coefficients kept, in (0, 1]; None: 1/32.
-        replicator_options: Extra keyword arguments of ``build_replicator`` (``values``, ``index_bits``, ``chunk``,
-            ``seed``, ``combine``, ``sync_every``, ...).
-        shard_size: Ranks that shard one model copy; None: all ranks of a node. Must divide the ranks per node.
-        drift_check_every: Check every N optimizer steps that replicas are bit-identical (0: never).
-        overlap: Launch each block's inter-node exchange during backward, as soon as its gradients are final.
-        activation_checkpointing: Recompute each block's activations in backward.
-        block_classes: Class names of the blocks to shard (default: found from the model).
-        on_bad_payload: ``"raise"`` (default): a corrupt replica payload (index out of range, NaN/Inf) stops
-            training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError`; ``"drop"``: it is left
-            out of the combination and logged.
+        settings: The strategy's settings (validated when they were built; see :class:`FlexDeMoSettings`).
         owner: Class name used in messages.
     """
 
     directory_checkpoint = True  # each rank holds its own shards and error feedback
     restore_after_setup = True
 
-    def __init__(
-        self,
-        replicator: str | None = None,
-        compression: float | None = None,
-        replicator_options: Mapping[str, Any] | None = None,
-        shard_size: int | None = None,
-        drift_check_every: int = 0,
-        overlap: bool = True,
-        activation_checkpointing: bool = False,
-        block_classes: list[str] | None = None,
-        on_bad_payload: str = "raise",
-        owner: str = "FlexDeMoStrategy",
-    ) -> None:
+    def __init__(self, settings: FlexDeMoSettings, owner: str = "FlexDeMoStrategy") -> None:
+        if not isinstance(settings, FlexDeMoSettings):
+            raise TypeError(f"{owner}(settings={settings!r}): use a FlexDeMoSettings(...).")
+        self.settings = settings
         self.owner = owner
-        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
-        if replicator_options is not None and not isinstance(replicator_options, Mapping):
-            raise ValueError(f"{owner}(replicator_options={replicator_options!r}): give a dict of keyword arguments.")
-        # Any of the three set means the user asked for this exchange; all unset lets one copy skip compression.
-        self.replicator_chosen = replicator is not None or compression is not None or bool(replicator_options)
-        self.replicator_name = DEFAULT_REPLICATOR if replicator is None else replicator
-        self.compression = DEFAULT_COMPRESSION if compression is None else compression
-        self.replicator_options = dict(replicator_options or {})
+        # Any replication field set means the user asked for this exchange; all unset lets one copy skip compression.
+        self.replicator_chosen = settings.replication.explicit
+        self.default_kind: ReplicatorKind = DEFAULT_REPLICATOR
+        """The kind built when ``settings.replication.kind`` is None (``"full"`` once one model copy is seen)."""
         self.replicator_note = ""
         """Why the default replicator was replaced (one model copy and none chosen), or empty."""
-        try:  # fail at construction, not at the first step: A's factory validates every argument
-            probe = self.make_replicator()
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{owner}: {error}") from None
-        self.compresses = bool(getattr(probe, "compresses", True))
-        if shard_size is not None and (
-            isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1
-        ):
-            raise ValueError(
-                f"{owner}(shard_size={shard_size!r}): use a positive int, or None for all ranks of a node."
-            )
-        if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
-            raise ValueError(f"{owner}(drift_check_every={drift_check_every!r}): use an int >= 0 (0 turns it off).")
-        if block_classes is not None and (
-            isinstance(block_classes, str) or not all(isinstance(c, str) for c in block_classes)
-        ):
-            raise ValueError(
-                f"{owner}(block_classes={block_classes!r}): give a list of class names, e.g. ['LlamaDecoderLayer']."
-            )
-        self.requested_shard_size = shard_size
-        self.drift_check_every = drift_check_every
-        self.overlap = bool(overlap)
-        self.activation_checkpointing = bool(activation_checkpointing)
-        self.block_classes = list(block_classes) if block_classes else None
+        self.compresses = bool(self.make_replicator().compresses)
         self.shard_size: int | None = None
         self.topology = Topology(world_size=1, rank=0, shard_size=1)
         self.sharded = False
@@ -140,26 +89,31 @@ class FlexDeMoRuntime(StrategyRuntime):
         self._drift_due = False
 
     # ------------------------------------------------------------------------------------------------ config
-    def make_replicator(self) -> Any:
-        """A fresh replicator from the strategy's arguments (one per converted optimizer)."""
-        replicator = build_replicator(self.replicator_name, self.compression, **self.replicator_options)
-        replicator.set_bad_payload_policy(getattr(self, "on_bad_payload", "raise"))
+    @property
+    def replicator_name(self) -> str:
+        """The replicator's kind: the one chosen, else the default for the run (``"demo"``, or ``"full"``)."""
+        return self.settings.replication.kind or self.default_kind
+
+    def make_replicator(self) -> Replicator:
+        """A fresh replicator from the strategy's settings (one per converted optimizer)."""
+        replicator = self.settings.replication.build(self.default_kind)
+        replicator.set_bad_payload_policy(self.settings.on_bad_payload)
         return replicator
 
     def _use_dense_replicator(self) -> None:
         """One model copy and no replicator chosen: replicate with ``"full"`` (the update is the optimizer's own)."""
-        self.replicator_name = "full"
+        self.default_kind = "full"
         self.compresses = False
         self.replicator_note = (
             f"a single model copy ({self.topology.world_size} rank(s), shard_size={self.topology.shard_size}) and no "
             "replicator chosen: using replicator='full' (no compression; nothing crosses nodes). Set "
-            "replicator='demo' to compress anyway"
+            "settings.replication.kind='demo' to compress anyway"
         )
         log.info("%s: %s.", self.owner, self.replicator_note)
 
     def resolve_world(self, world_size: int, ranks_per_node: int) -> int:
         """Check ``shard_size`` against the launch layout (before processes start); returns the shard size."""
-        self.shard_size = resolve_shard_size(self.requested_shard_size, world_size, ranks_per_node, self.owner)
+        self.shard_size = resolve_shard_size(self.settings.shard_size, world_size, ranks_per_node, self.owner)
         return self.shard_size
 
     def resolve_launch(self, world: WorldLayout) -> None:
@@ -186,17 +140,18 @@ class FlexDeMoRuntime(StrategyRuntime):
             self._use_dense_replicator()
         if self.topology.num_replicas == 1 and self.compresses:
             warnings.warn(
-                f"{self.owner}(replicator={self.replicator_name!r}): the run has a single model copy "
+                f"{self.owner}(replication.kind={self.replicator_name!r}): the run has a single model copy "
                 f"({self.topology.world_size} rank(s), shard_size={self.topology.shard_size}), so nothing crosses "
                 "nodes and the replicator's compression only loses information (the update is computed as if alone)."
-                " Use more nodes, a smaller shard_size, or replicator='full'.",
+                " Use more nodes, a smaller settings.shard_size, or settings.replication.kind='full'.",
                 UserWarning,
                 stacklevel=2,
             )
-        blocks, self.block_source = find_blocks(module, self.block_classes)
+        classes = self.settings.block_classes
+        blocks, self.block_source = find_blocks(module, list(classes) if classes is not None else None)
         if not blocks:
             warn_no_blocks(self.owner, module)
-        if self.activation_checkpointing:
+        if self.settings.activation_checkpointing:
             apply_activation_checkpointing(block for _, block in blocks)
         self.sharded = shard_model(module, self.topology, [block for _, block in blocks], param_dtype)
         broadcast_initial_state(module, self.topology)
@@ -217,19 +172,19 @@ class FlexDeMoRuntime(StrategyRuntime):
 
         Args:
             optimizer: Built on the sharded parameters.
-            overlap: Override of ``self.overlap`` (the adapters turn it off when clipping must see the gradients).
+            overlap: Override of ``settings.overlap`` (the adapters turn it off when clipping must see the gradients).
         """
         if self.module is None:
             raise RuntimeError(f"{self.owner}: set up the module before the optimizer.")
         if self.optimizer is not None:
             raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
         converted, self.conversion = convert_optimizer(optimizer, self.make_replicator, self.owner)
-        converted.replicator.set_bad_payload_policy(self.on_bad_payload)  # also a user-built replicator
+        converted.replicator.set_bad_payload_policy(self.settings.on_bad_payload)  # also a user-built replicator
         converted.bind(self.topology.replicate_group)
         self.optimizer = converted
         owned = {id(p) for group in converted.param_groups for p in group["params"]}
         units = [ShardingUnit(u.name, [p for p in u.params if id(p) in owned]) for u in self.units]
-        self.overlap_active = self.overlap if overlap is None else bool(overlap)
+        self.overlap_active = self.settings.overlap if overlap is None else bool(overlap)
         if self.overlap_active:
             self.hooks = OverlapHooks(units, converted)
         return converted
@@ -258,7 +213,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         self.steps += 1
         if self.hooks is not None:
             self.hooks.armed = True
-        if self.drift_check_every and self.steps % self.drift_check_every == 0:
+        every = self.settings.drift_check_every
+        if every and self.steps % every == 0:
             self._drift_due = True
         if self._drift_due and self._replicas_in_sync():
             self._drift_due = False
@@ -312,8 +268,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.launched_early:
             raise RuntimeError(
                 f"{self.owner}: gradient clipping after the overlapped exchange already started from the unclipped "
-                f"gradients. Construct {self.owner}(overlap=False) to clip (the Trainer does this by itself when "
-                "gradient_clip_val is set)."
+                f"gradients. Construct {self.owner}(settings=FlexDeMoSettings(overlap=False)) to clip (the Trainer "
+                "does this by itself when gradient_clip_val is set)."
             )
         grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
         group = self.topology.shard_group

@@ -91,6 +91,19 @@ BUILTIN_STRATEGIES: list[StrategySpec] = [entry for spec in _STRATEGIES for entr
 ``lightning_hetero.<Class>`` and ``lightning_hetero.fabric.<Class>`` are built from."""
 
 
+SETTINGS_CLASSES: dict[str, str] = {
+    "FlexDeMoSettings": "lightning_hetero.flexdemo.settings",
+    "MatFormerSettings": "lightning_hetero.matformer.settings",
+    "SubspacePipelineSettings": "lightning_hetero.subspace.settings",
+    "LayerwiseSettings": "lightning_hetero.layerwise.settings",
+    "SparseFlipSettings": "lightning_hetero.lowbit.settings",
+    "ReplicationSettings": "lightning_hetero.replication.settings",
+}
+"""Class name -> module of the typed settings (one per strategy, plus the replication settings they share):
+``from lightning_hetero import FlexDeMoSettings`` (and from :mod:`lightning_hetero.fabric`), loaded on first access.
+They take the same settings in the Trainer and in Fabric."""
+
+
 def exported_classes(fabric: bool) -> dict[str, str]:
     """Class name -> module of every built-in Trainer (or Fabric) strategy class, for the packages' lazy attributes."""
     classes: dict[str, str] = {}
@@ -103,12 +116,13 @@ def exported_classes(fabric: bool) -> dict[str, str]:
 
 
 def lazy_class(name: str, fabric: bool, owner: str) -> type:
-    """The built-in strategy class ``name`` (imported now), for a package ``__getattr__``.
+    """The built-in strategy or settings class ``name`` (imported now), for a package ``__getattr__``.
 
     Raises:
-        AttributeError: ``name`` is no built-in strategy class of that kind (as a missing module attribute would).
+        AttributeError: ``name`` is no built-in strategy class of that kind nor a settings class (as a missing module
+            attribute would).
     """
-    module = exported_classes(fabric).get(name)
+    module = exported_classes(fabric).get(name) or SETTINGS_CLASSES.get(name)
     if module is None:
         raise AttributeError(f"module {owner!r} has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

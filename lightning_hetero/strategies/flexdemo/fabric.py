@@ -3,7 +3,7 @@
 The work is done by :class:`~lightning_hetero.flexdemo.runtime.FlexDeMoRuntime`, shared with the Trainer strategy;
 this module decides when it runs. Usage::
 
-    fabric = Fabric(accelerator="cuda", devices=8, num_nodes=4, strategy=FlexDeMoStrategy(replicator="demo"))
+    fabric = Fabric(accelerator="cuda", devices=8, num_nodes=4, strategy=FlexDeMoStrategy())
     fabric.launch()
     model = fabric.setup_module(model)  # FSDP2 per block on the node, first replica's weights everywhere
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))  # -> DecoupledAdamW
@@ -14,23 +14,24 @@ this module decides when it runs. Usage::
 
 Accumulation micro-batches go inside ``with fabric.no_backward_sync(model):`` (no exchange is launched there; FSDP2
 still reduce-scatters inside the node). ``fabric.clip_gradients`` clips with the node's gradient norm and needs
-``overlap=False`` (the exchange would otherwise have started from the unclipped gradients). ``fabric.save`` writes a
-directory with one file per rank; ``fabric.load`` restores it in place.
+``FlexDeMoSettings(overlap=False)`` (the exchange would otherwise have started from the unclipped gradients).
+``fabric.save`` writes a directory with one file per rank; ``fabric.load`` restores it in place.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
@@ -45,40 +46,30 @@ class FlexDeMoStrategy(FabricStrategyBase):
     ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``).
 
     Args:
-        replicator: ``"demo"``, ``"random"``, ``"striding"``, ``"diloco"``, ``"full"`` or ``"topk"``. None
-            (default): ``"demo"`` with two or more model copies (nodes), ``"full"`` (no compression) with one; an
-            explicit choice is kept.
-        compression: Fraction of coefficients kept per step, in (0, 1]; None: 1/32.
-        replicator_options: More ``build_replicator`` arguments (``values``, ``index_bits``, ``chunk``, ``seed``,
-            ``combine``, ``sync_every``, ``outer_lr``, ``outer_momentum``).
-        shard_size: Ranks that shard one model copy; None: all ranks of a node. Must divide the ranks per node.
-        drift_check_every: Check replicas are bit-identical every N optimizer steps (0: off; DiLoCo: at the next
-            synchronising step).
-        overlap: Start each block's exchange during backward (set False to use ``fabric.clip_gradients``).
-        activation_checkpointing: Recompute each block's activations in backward.
-        block_classes: Class names of the blocks to shard individually (default: found from the model).
-        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
+        settings: The strategy's settings (see :class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings`);
+            default: all defaults.
         **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
             ``start_method``, ...): see :class:`~lightning_hetero.strategies.lifecycle.FabricStrategyBase`.
+
+    Raises:
+        RenamedSettingError: A 0.1 keyword (``replicator``, ``compression``, ``shard_size``, ...) was given; the
+            message names its place in the settings.
     """
 
-    def __init__(
-        self,
-        replicator: str | None = None,
-        compression: float | None = None,
-        replicator_options: dict[str, Any] | None = None,
-        shard_size: int | None = None,
-        drift_check_every: int = 0,
-        overlap: bool = True,
-        activation_checkpointing: bool = False,
-        block_classes: list[str] | None = None,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)
+    settings_class: ClassVar[type] = FlexDeMoSettings
+
+    # The default is an instance, not None: jsonargparse then lists every settings field, with its doc, under the
+    # strategy's --help (an Optional dataclass shows as one opaque option). Frozen, so sharing it is safe.
+    def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, FlexDeMoSettings.RENAMED)
+        super().__init__(FlexDeMoRuntime(settings, owner="FlexDeMoStrategy"), **kwargs)
         self.last_comm_metrics: dict[str, float] = {}
         """The ``comm/*`` metrics of the last optimizer step."""
+
+    @property
+    def settings(self) -> FlexDeMoSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     @property
     def topology(self) -> Any:

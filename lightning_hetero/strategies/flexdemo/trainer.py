@@ -8,7 +8,7 @@ exchanges a compressed update over the replicate group instead, started per bloc
 
 How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP wrapper):
 
-- ``_configure_launcher``: ``shard_size`` is checked against the ranks per node before any process starts.
+- ``_configure_launcher``: ``settings.shard_size`` is checked against the ranks per node before any process starts.
 - ``setup``: the copy is sharded (``configure_ddp``) before the optimizers exist; ``setup_optimizers`` converts the
   optimizer, re-points its LR schedulers, binds the replicate group and installs the overlap hooks.
 - ``block_backward_sync`` (accumulation micro-batches): FSDP2 still reduce-scatters inside the node (gradients stay
@@ -22,7 +22,7 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,11 +31,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
@@ -49,48 +50,30 @@ class FlexDeMoStrategy(TrainerStrategyBase):
     a ``DeMoSGD``/``DecoupledAdamW`` is used as given. Other optimizers raise before training.
 
     Args:
-        replicator: How updates cross nodes: ``"demo"`` (DCT top-k), ``"random"``, ``"striding"``, ``"diloco"``,
-            ``"full"`` (dense mean, the full-sync baseline), ``"topk"``. Used for converted optimizers. None
-            (default): ``"demo"`` with two or more model copies (nodes), ``"full"`` with one (on one node nothing
-            crosses nodes, so compression would only lose information); an explicit choice is kept.
-        compression: Fraction of coefficients kept per step, in (0, 1]; None: 1/32.
-        replicator_options: More ``build_replicator`` arguments: ``values`` (``"fp32"``, ``"bf16"``, ``"sign"``,
-            ``"ternary"``), ``index_bits`` (12 or 16), ``chunk`` (DCT block side), ``seed``, ``combine``
-            (``"mean"``/``"pickers"``), ``sync_every``/``outer_lr``/``outer_momentum`` (DiLoCo).
-        shard_size: Ranks that shard one model copy (consecutive ranks); None: all ranks of a node. Must divide the
-            ranks per node. 1 gives DDP-like copies on every rank, each replicating over the others.
-        drift_check_every: Every N optimizer steps, check that replicas are bit-identical (0: off); a mismatch
-            raises naming the step, the ranks and the first differing parameter. DiLoCo: at the next sync step.
-        overlap: Start each block's inter-node exchange during backward as soon as its gradients are reduced.
-            Turned off automatically when the Trainer clips gradients (clipping needs the whole node's norm first).
-        activation_checkpointing: Recompute each block's activations in backward (less memory, ~1/3 more compute).
-        block_classes: Class names of the blocks to shard individually; default: found from the model
-            (``_no_split_modules`` of HF models, else a ``ModuleList`` of identical layers).
-        log_comm_stats: Log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``, ``comm/wait_seconds``, ... per step.
-        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
+        settings: The strategy's settings (see :class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings`);
+            default: all defaults.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
+
+    Raises:
+        RenamedSettingError: A 0.1 keyword (``replicator``, ``compression``, ``shard_size``, ...) was given; the
+            message names its place in the settings.
     """
 
-    def __init__(
-        self,
-        replicator: str | None = None,
-        compression: float | None = None,
-        replicator_options: dict[str, Any] | None = None,
-        shard_size: int | None = None,
-        drift_check_every: int = 0,
-        overlap: bool = True,
-        activation_checkpointing: bool = False,
-        block_classes: list[str] | None = None,
-        log_comm_stats: bool = True,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(FlexDeMoRuntime(**runtime_arguments(FlexDeMoRuntime, locals())), **kwargs)
-        self.log_comm_stats = bool(log_comm_stats)
+    settings_class: ClassVar[type] = FlexDeMoSettings
+
+    # The default is an instance, not None: jsonargparse then lists every settings field, with its doc, under the
+    # strategy's --help (an Optional dataclass shows as one opaque option). Frozen, so sharing it is safe.
+    def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, FlexDeMoSettings.RENAMED)
+        super().__init__(FlexDeMoRuntime(settings, owner="FlexDeMoStrategy"), **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
+    @property
+    def settings(self) -> FlexDeMoSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
+
     @property
     def topology(self) -> Any:
         """The :class:`~lightning_hetero.flexdemo.topology.Topology` (from ``setup`` on)."""
@@ -149,8 +132,9 @@ class FlexDeMoStrategy(TrainerStrategyBase):
         module = self.lightning_module
         assert module is not None
         original = self.optimizers[0]
-        overlap = self.runtime.overlap and not self._clipping_configured(trainer) and module.automatic_optimization
-        if self.runtime.overlap and not overlap:
+        wanted = self.settings.overlap
+        overlap = wanted and not self._clipping_configured(trainer) and module.automatic_optimization
+        if wanted and not overlap:
             rank_zero_info(
                 f"{self.runtime.owner}: overlap turned off (gradient clipping or manual optimization needs the whole "
                 "gradient before the exchange starts)."
@@ -213,7 +197,7 @@ class FlexDeMoStrategy(TrainerStrategyBase):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         metrics = self.runtime.after_step()
         module = self.lightning_module
-        if self.log_comm_stats and module is not None and module._trainer is not None:
+        if self.settings.log_comm_stats and module is not None and module._trainer is not None:
             for name, value in metrics.items():
                 module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
         return output

@@ -20,10 +20,11 @@ from lightning_hetero.flexdemo.conversion import convert_optimizer, repoint_sche
 from lightning_hetero.flexdemo.optim import DecoupledAdamW, DeMoSGD
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.flexdemo.sharding import find_blocks, sharding_units
 from lightning_hetero.flexdemo.topology import Topology, resolve_shard_size
 from lightning_hetero.models.presets import build_config
-from lightning_hetero.replication import build_replicator
+from lightning_hetero.replication import ReplicationSettings, build_replicator
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed
@@ -32,36 +33,49 @@ STRATEGIES = [FlexDeMoStrategy, FabricFlexDeMoStrategy]
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
-@pytest.mark.parametrize("cls", STRATEGIES)
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("build", "match"),
     [
         (
-            {"replicator": "nope"},
-            r"replicator must be one of \['demo', 'diloco', 'full', 'random', 'striding', 'topk'\]",
+            lambda: ReplicationSettings(kind="nope"),
+            r"ReplicationSettings.kind='nope': use one of \[None, 'demo', 'random', 'striding', 'diloco', 'full'",
         ),
-        ({"compression": 0}, r"compression must be a number in \(0, 1\]"),
-        ({"compression": 1.5}, r"compression must be a number in \(0, 1\]"),
-        ({"replicator_options": {"chunk": 0}}, r"chunk must be an integer in \[1, 256\]"),
-        ({"replicator_options": {"bogus": 1}}, r"does not take option\(s\) \['bogus'\]"),
-        ({"replicator_options": "bf16"}, r"replicator_options='bf16'\): give a dict"),
-        ({"shard_size": 0}, r"shard_size=0\): use a positive int"),
-        ({"drift_check_every": -1}, r"drift_check_every=-1\): use an int >= 0"),
-        ({"block_classes": "LlamaDecoderLayer"}, r"block_classes='LlamaDecoderLayer'\): give a list"),
+        (
+            lambda: ReplicationSettings(kept_fraction=0),
+            r"ReplicationSettings.kept_fraction=0: use a fraction in \(0, 1\]",
+        ),
+        (lambda: ReplicationSettings(kept_fraction=1.5), r"ReplicationSettings.kept_fraction=1.5: use a fraction"),
+        (lambda: ReplicationSettings(chunk=0), r"ReplicationSettings.chunk=0: use an int >= 1"),
+        (lambda: FlexDeMoSettings(shard_size=0), r"FlexDeMoSettings.shard_size=0: use an int >= 1"),
+        (lambda: FlexDeMoSettings(drift_check_every=-1), r"FlexDeMoSettings.drift_check_every=-1: use an int >= 0"),
+        (
+            lambda: FlexDeMoSettings(block_classes="LlamaDecoderLayer"),
+            r"block_classes='LlamaDecoderLayer': give a list",
+        ),
     ],
 )
-def test_bad_arguments_fail_at_construction(cls, kwargs, match):
+def test_bad_settings_fail_at_construction(build, match):
     with pytest.raises(ValueError, match=match):
-        cls(**kwargs)
+        build()
 
 
 def test_shard_size_must_divide_ranks_per_node_before_launch():
     with pytest.raises(
         ValueError, match=r"shard_size=3\): it must divide the 4 ranks per node.*Valid values: \[1, 2, 4\]"
     ):
-        L.Trainer(accelerator="cpu", devices=4, strategy=FlexDeMoStrategy(shard_size=3), logger=False)
+        L.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=3)),
+            logger=False,
+        )
     with pytest.raises(ValueError, match=r"shard_size=3\): it must divide the 2 ranks per node"):
-        Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=FabricFlexDeMoStrategy(shard_size=3))
+        Fabric(
+            accelerator="cpu",
+            devices=2,
+            num_nodes=2,
+            strategy=FabricFlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=3)),
+        )
 
 
 def test_resolve_shard_size_defaults_to_a_node():
@@ -196,7 +210,9 @@ def test_replicating_optimizer_is_kept_and_unsupported_ones_are_refused():
 def test_single_process_runtime_trains_and_warns_about_blocks_and_one_copy():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    runtime = FlexDeMoRuntime(replicator="demo", compression=0.5, replicator_options={"chunk": 4})
+    runtime = FlexDeMoRuntime(
+        FlexDeMoSettings(replication=ReplicationSettings(kind="demo", kept_fraction=0.5, chunk=4))
+    )
     with pytest.warns(UserWarning) as caught:
         runtime.setup_module(model, torch.device("cpu"))
     messages = " ".join(str(w.message) for w in caught)
@@ -241,16 +257,16 @@ def test_one_copy_without_a_chosen_replicator_does_not_compress(cls):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"replicator": "demo"},
-        {"compression": 0.25},
-        {"replicator_options": {"values": "sign"}},
-        {"replicator": "random"},
+        {"kind": "demo"},
+        {"kept_fraction": 0.25},
+        {"values": "sign"},
+        {"kind": "random"},
     ],
 )
 def test_one_copy_keeps_an_explicit_compressing_choice_and_warns(kwargs):
-    runtime = FlexDeMoRuntime(**kwargs)
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(replication=ReplicationSettings(**kwargs)))
     messages, replicator = _one_copy_setup(runtime)
-    assert replicator == kwargs.get("replicator", "demo")
+    assert replicator == kwargs.get("kind", "demo")
     assert any("single model copy" in message for message in messages), messages
     assert runtime.replicator_note == ""
 
@@ -258,7 +274,7 @@ def test_one_copy_keeps_an_explicit_compressing_choice_and_warns(kwargs):
 def _default_replicator_worker(rank: int, world_size: int) -> dict[str, str]:
     names = {}
     for label, shard_size in (("two copies", 1), ("one copy", None)):
-        runtime = FlexDeMoRuntime(shard_size=shard_size)
+        runtime = FlexDeMoRuntime(FlexDeMoSettings(shard_size=shard_size))
         runtime.resolve_world(world_size, world_size)  # one node of world_size ranks
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         with warnings.catch_warnings():

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.models import CausalLMModule
+from lightning_hetero.replication import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from tests.fixtures import Recorder, ValidatedTokenData, quiet_trainer
 from tests.token_data import TINY_LLAMA
@@ -54,7 +56,7 @@ def _module() -> CausalLMModule:
 def _trainer(max_steps: int, recorder: Recorder, root: Path) -> L.Trainer:
     return quiet_trainer(
         devices=1,
-        strategy=FlexDeMoStrategy(replicator="full"),
+        strategy=FlexDeMoStrategy(settings=FlexDeMoSettings(replication=ReplicationSettings(kind="full"))),
         max_steps=max_steps,
         limit_val_batches=0,  # validation between steps perturbs CPU numerics by an ulp, with stock DDP too
         callbacks=[recorder],
@@ -146,6 +148,8 @@ def test_bare_flexdemo_on_one_node_does_not_compress(tmp_path, caplog):
 
 @pytest.mark.timeout(300)
 def test_explicit_replicator_on_one_node_is_kept_with_the_warning(tmp_path):
-    trainer, losses, messages = _fit_user_llama(FlexDeMoStrategy(replicator="demo"), tmp_path)
+    trainer, losses, messages = _fit_user_llama(
+        FlexDeMoStrategy(settings=FlexDeMoSettings(replication=ReplicationSettings(kind="demo"))), tmp_path
+    )
     assert trainer.optimizers[0].replicator.name == "demo"
     assert any("single model copy" in message for message in messages), messages

@@ -1,0 +1,107 @@
+"""Typed settings of the FlexDeMo strategies (Trainer and Fabric), declared and documented once.
+
+``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2, replication=ReplicationSettings(kind="demo")))`` in
+Python; in YAML ``strategy: {class_path: FlexDeMoStrategy, init_args: {settings: {shard_size: 2, replication:
+{kind: demo}}}}``. Every field is checked when the object is built, so a bad value fails before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from lightning_hetero.core.settings import check_choice, check_int
+from lightning_hetero.replication.settings import ReplicationSettings
+
+__all__ = ["DEFAULT_SETTINGS", "FlexDeMoSettings"]
+
+_OWNER = "FlexDeMoSettings"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlexDeMoSettings:
+    """FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes.
+
+    Attributes:
+        replication: How updates cross nodes (see :class:`~lightning_hetero.replication.ReplicationSettings`):
+            ``kind`` (``"demo"``, ``"random"``, ``"striding"``, ``"topk"``, ``"diloco"``, ``"full"``; default None:
+            ``"demo"`` with two or more model copies, ``"full"`` with one, where nothing crosses nodes and
+            compression would only lose information; any replication field set keeps the exchange, with a warning
+            on one copy), ``kept_fraction``, ``values``, ``chunk``, ``index_bits``, ``combine``, ``seed`` and
+            DiLoCo's ``sync_every``, ``outer_lr``, ``outer_momentum``, ``outer_kept_fraction``, ``outer_chunk``.
+            Used for converted optimizers (a ``DeMoSGD``/``DecoupledAdamW`` given ready-built keeps its own).
+        shard_size: Ranks that shard one model copy (consecutive ranks); None: all ranks of a node. Must divide the
+            ranks per node (checked before the processes start). 1 gives DDP-like copies on every rank, each
+            replicating over the others.
+        drift_check_every: Every N optimizer steps, check that the model copies are bit-identical (0: off); a
+            mismatch raises naming the step, the ranks and the first differing parameter. DiLoCo: at the next
+            synchronising step.
+        overlap: Start each block's inter-node exchange during backward, as soon as its gradients are reduced.
+            The Trainer turns it off by itself when it clips gradients (clipping needs the whole node's norm
+            first); with Fabric set it False to use ``fabric.clip_gradients``.
+        activation_checkpointing: Recompute each block's activations in backward (less memory, ~1/3 more compute).
+        block_classes: Class names of the blocks to shard individually, e.g. ``["LlamaDecoderLayer"]``; None: found
+            from the model (``_no_split_modules`` of HF models, else a ``ModuleList`` of identical layers).
+        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
+            :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it from the combination and
+            log.
+        log_comm_stats: Trainer only: log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``,
+            ``comm/wait_seconds``, ... every step (Fabric: read ``strategy.last_comm_metrics``).
+    """
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "replicator": "settings.replication.kind",
+        "compression": "settings.replication.kept_fraction",
+        "replicator_options": "settings.replication (fields: values, chunk, index_bits, combine, seed, sync_every, "
+        "outer_lr, outer_momentum, outer_kept_fraction, outer_chunk)",
+        "shard_size": "settings.shard_size",
+        "drift_check_every": "settings.drift_check_every",
+        "overlap": "settings.overlap",
+        "activation_checkpointing": "settings.activation_checkpointing",
+        "block_classes": "settings.block_classes",
+        "on_bad_payload": "settings.on_bad_payload",
+        "log_comm_stats": "settings.log_comm_stats",
+    }
+    """Old adapter keywords (0.1) -> where they went."""
+
+    replication: ReplicationSettings = field(default_factory=ReplicationSettings)
+    shard_size: int | None = None
+    drift_check_every: int = 0
+    overlap: bool = True
+    activation_checkpointing: bool = False
+    block_classes: tuple[str, ...] | None = None
+    on_bad_payload: Literal["raise", "drop"] = "raise"
+    log_comm_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replication, ReplicationSettings):
+            raise ValueError(
+                f"{_OWNER}.replication={self.replication!r}: use a ReplicationSettings(...) (YAML: a mapping such as"
+                " {kind: demo, kept_fraction: 0.03125})."
+            )
+        check_int(_OWNER, "shard_size", self.shard_size, minimum=1, allow_none=True, fix="None: all ranks of a node")
+        check_int(_OWNER, "drift_check_every", self.drift_check_every, minimum=0, fix="0 turns the check off")
+        for name in ("overlap", "activation_checkpointing", "log_comm_stats"):
+            _check_bool(name, getattr(self, name))
+        classes: Any = self.block_classes
+        if classes is not None:
+            if isinstance(classes, str) or not isinstance(classes, (list, tuple)):
+                raise ValueError(
+                    f"{_OWNER}.block_classes={classes!r}: give a list of class names, e.g. ['LlamaDecoderLayer']."
+                )
+            if not classes or not all(isinstance(name, str) and name for name in classes):
+                raise ValueError(
+                    f"{_OWNER}.block_classes={classes!r}: give a non-empty list of class names, e.g."
+                    " ['LlamaDecoderLayer'], or None to find the blocks from the model."
+                )
+            object.__setattr__(self, "block_classes", tuple(classes))  # a list from Python is accepted; frozen: tuple
+        check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{_OWNER}.{name}={value!r}: use True or False.")
+
+
+DEFAULT_SETTINGS = FlexDeMoSettings()
+"""All defaults: the adapters' default ``settings``."""
