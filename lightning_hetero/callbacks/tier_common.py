@@ -1,8 +1,10 @@
-"""What the MatFormer callbacks share: tier lists, the tiers a model supports, tiered strategies, the HF model.
+"""What the MatFormer callbacks share: tier lists and where they come from, the tiers a model supports, tiered
+strategies, the HF model.
 
 A tier ``t`` keeps the first ``h >> t`` hidden units of every FFN (see ``docs/matformer.md``). A *tiered* strategy
 (one whose ``trainer.strategy`` has a ``tier`` attribute, e.g. ``MatFormerStrategy``) gives every rank its own fixed
-tier.
+tier. :func:`callback_tiers` lets ``TierEvaluation`` and ``TierExport`` read their tiers from the MatFormer strategy
+(or a ``MatFormerSampler``), so a YAML writes the tier list once.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
+from lightning_hetero.matformer.settings import MatFormerSettings
 
 __all__ = [
-    "DEFAULT_MAX_TIER",
+    "callback_tiers",
     "check_tiers_fit",
-    "default_tiers",
     "find_hf_model",
     "is_tiered",
     "max_tier",
@@ -28,11 +30,6 @@ __all__ = [
     "validate_limit",
     "validate_tiers",
 ]
-
-#: The default tiers of :class:`~lightning_hetero.callbacks.tier_eval.TierEvaluation` /
-#: :class:`~lightning_hetero.callbacks.tier_export.TierExport` stop here: {h, h/2, h/4, h/8}, the paper's four
-#: granularities.
-DEFAULT_MAX_TIER = 3
 
 
 def strategy_tier(trainer: Trainer) -> int | None:
@@ -66,6 +63,49 @@ def validate_tiers(owner: str, tiers: Any) -> list[int]:
     return tiers
 
 
+def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> list[int]:
+    """The tiers a callback works on: ``given``, or the ones the run trains, so that a YAML writes them once.
+
+    Under ``MatFormerStrategy``: its ``settings.tiers`` (the distinct tiers, sorted; no tiers at all means ``[0]``);
+    ``given`` tiers must be the same set. Under another strategy: ``given``, else the tiers of a ``MatFormerSampler``
+    among the callbacks.
+
+    Raises:
+        ValueError: ``given`` differs from the strategy's tiers; or no tiers are given and the run names none (another
+            strategy without a sampler, or a MatFormer strategy with ``widths`` or per-FFN tiers).
+    """
+    settings = getattr(trainer.strategy, "settings", None)
+    if isinstance(settings, MatFormerSettings):
+        trained = settings.uniform_tiers
+        if trained is None:
+            if given is not None:
+                return list(given)  # widths or per-FFN tiers name no single tier to compare with
+            which = f"widths={settings.widths}" if settings.widths is not None else f"tiers={settings.tiers}"
+            raise ValueError(
+                f"{owner}: the strategy's MatFormerSettings.{which} gives some rank per-FFN tiers or widths, which "
+                f"name no single tier to evaluate or export; pass {owner}(tiers=[...]), e.g. tiers=[0, 1]."
+            )
+        if given is not None and sorted(set(given)) != trained:
+            raise ValueError(
+                f"{owner}(tiers={list(given)}) differs from the tiers the strategy trains (MatFormerSettings.tiers="
+                f"{settings.tiers}, i.e. tiers {trained}); leave {owner}'s tiers out to use the strategy's, or give "
+                "the same tiers."
+            )
+        return list(given) if given is not None else trained
+    if given is not None:
+        return list(given)
+    from lightning_hetero.callbacks.tier_sampler import MatFormerSampler  # tier_sampler imports this module
+
+    samplers = [callback for callback in trainer.callbacks if isinstance(callback, MatFormerSampler)]
+    if samplers:
+        return list(samplers[0].tiers)
+    raise ValueError(
+        f"{owner}: no tiers given, and {type(trainer.strategy).__name__} is not MatFormerStrategy (whose "
+        f"settings.tiers would be read) and no MatFormerSampler trains tiers here; pass {owner}(tiers=[0, 1, 2, 3]) "
+        "(tier t keeps h >> t FFN units)."
+    )
+
+
 def validate_limit(owner: str, limit_batches: Any) -> None:
     """Refuse a ``limit_batches`` that is neither None nor a positive int."""
     if limit_batches is None:
@@ -83,11 +123,6 @@ def max_tier(blocks: Sequence[FFNBlock]) -> int:
     while all(block.full_size % (1 << (tier + 1)) == 0 for block in blocks):
         tier += 1
     return tier
-
-
-def default_tiers(model: nn.Module, cap: int = DEFAULT_MAX_TIER) -> list[int]:
-    """Tiers ``0..max`` where ``max`` is the highest tier the FFN sizes of ``model`` divide into, capped at ``cap``."""
-    return list(range(min(cap, max_tier(find_ffns(model))) + 1))
 
 
 def check_tiers_fit(owner: str, model: nn.Module, tiers: Sequence[int]) -> None:

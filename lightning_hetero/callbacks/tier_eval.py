@@ -10,7 +10,6 @@ import math
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_hetero.callbacks.eval_report import (
@@ -20,8 +19,8 @@ from lightning_hetero.callbacks.eval_report import (
     validation_loader,
 )
 from lightning_hetero.callbacks.tier_common import (
+    callback_tiers,
     check_tiers_fit,
-    default_tiers,
     is_tiered,
     runnable,
     strategy_tier,
@@ -63,7 +62,9 @@ class TierEvaluation(Callback):
     skipped with a warning.
 
     Args:
-        tiers: Tiers to evaluate. None: ``0..max``, the highest tier the FFN sizes divide into, capped at 3.
+        tiers: Tiers to evaluate. None: the tiers the run trains, read at setup: ``MatFormerStrategy``'s
+            ``settings.tiers`` (given tiers must equal them there), else a ``MatFormerSampler``'s tiers (with neither,
+            pass them). The tiers used are in ``resolved_tiers``.
         limit_batches: Evaluate at most this many batches per tier (None: as many as Lightning's validation loop).
         metric: Name ``validation_step`` logs (or returns in a dict) to evaluate per tier. None: the loss it returns,
             else the value it logs as ``val_loss`` or ``val/loss``.
@@ -78,6 +79,8 @@ class TierEvaluation(Callback):
         perplexity: bool = True,
     ) -> None:
         self.tiers = None if tiers is None else validate_tiers("TierEvaluation", tiers)
+        self.resolved_tiers: list[int] | None = None
+        """The tiers evaluated in this fit (``tiers``, or the run's), from ``setup`` on."""
         validate_limit("TierEvaluation", limit_batches)
         self.limit_batches = limit_batches
         self.metric = validate_metric("TierEvaluation", metric)
@@ -86,13 +89,15 @@ class TierEvaluation(Callback):
         self._checked = False
         self._warned: set[int] = set()
 
-    def resolve_tiers(self, pl_module: nn.Module) -> list[int]:
-        """The tiers to evaluate for this model (``tiers``, or the default ``0..min(3, max)``)."""
-        return list(self.tiers) if self.tiers is not None else default_tiers(pl_module)
+    def resolve_tiers(self, trainer: Trainer) -> list[int]:
+        """The tiers to evaluate in this run (``tiers``, or the run's; see :func:`callback_tiers`)."""
+        self.resolved_tiers = callback_tiers("TierEvaluation", self.tiers, trainer)
+        return list(self.resolved_tiers)
 
-    def _check(self, pl_module: LightningModule) -> None:
-        if not self._checked and self.tiers is not None:
-            check_tiers_fit("TierEvaluation", pl_module, self.tiers)
+    def _check(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._checked:
+            tiers = self.resolved_tiers if self.resolved_tiers is not None else self.resolve_tiers(trainer)
+            check_tiers_fit("TierEvaluation", pl_module, tiers)
         self._checked = True
 
     @override
@@ -100,11 +105,13 @@ class TierEvaluation(Callback):
         # On every rank (the module is the same everywhere), so a bad module stops all ranks before the first step.
         if stage in ("fit", "validate"):
             check_evaluable("TierEvaluation", pl_module, self.metric)
+            self.resolve_tiers(trainer)
+            self._checked = False
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not is_tiered(trainer) or trainer.global_rank == 0:
-            self._check(pl_module)
+            self._check(trainer, pl_module)
         self._probe(trainer, pl_module)
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -146,11 +153,12 @@ class TierEvaluation(Callback):
         tiered = is_tiered(trainer)
         if tiered and trainer.global_rank != 0:
             return  # only global rank 0 holds the full model, so only it can run every tier
-        self._check(pl_module)
+        self._check(trainer, pl_module)
         blocks = find_ffns(pl_module)
         limit = self._limit(trainer)
         self.results = {}
-        for tier in self.resolve_tiers(pl_module):
+        assert self.resolved_tiers is not None  # set by _check
+        for tier in self.resolved_tiers:
             if not runnable(blocks, tier):
                 if tier not in self._warned:
                     self._warned.add(tier)

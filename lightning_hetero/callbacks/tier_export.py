@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hetero.callbacks.tier_common import check_tiers_fit, default_tiers, find_hf_model, validate_tiers
+from lightning_hetero.callbacks.tier_common import callback_tiers, check_tiers_fit, find_hf_model, validate_tiers
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.export import export_tier
 
@@ -36,7 +36,9 @@ class TierExport(Callback):
 
     Args:
         dirpath: Output root; ``tier{t}`` subdirectories are created (files in them are overwritten).
-        tiers: Tiers to export. None: ``0..max``, the highest tier the FFN sizes divide into, capped at 3.
+        tiers: Tiers to export. None: the tiers the run trains, read at setup: ``MatFormerStrategy``'s
+            ``settings.tiers`` (given tiers must equal them there), else a ``MatFormerSampler``'s tiers (with neither,
+            pass them). The tiers used are in ``resolved_tiers``.
         save_tokenizer: Also save ``trainer.datamodule.tokenizer`` (when present) into every tier directory.
     """
 
@@ -47,8 +49,20 @@ class TierExport(Callback):
             raise ValueError(f"TierExport(save_tokenizer={save_tokenizer!r}): use True or False.")
         self.dirpath = Path(dirpath)
         self.tiers = None if tiers is None else validate_tiers("TierExport", tiers)
+        self.resolved_tiers: list[int] | None = None
+        """The tiers exported in this fit (``tiers``, or the run's), from ``setup`` on."""
         self.save_tokenizer = save_tokenizer
         self.exported: dict[int, Path] = {}
+
+    def resolve_tiers(self, trainer: Trainer) -> list[int]:
+        """The tiers to export in this run (``tiers``, or the run's; see :func:`callback_tiers`)."""
+        self.resolved_tiers = callback_tiers("TierExport", self.tiers, trainer)
+        return list(self.resolved_tiers)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # every rank, so that a missing or mismatched tier list stops all of them
+            self.resolve_tiers(trainer)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -62,8 +76,8 @@ class TierExport(Callback):
                 f"{sharded[0]}) are sharded DTensors under {type(trainer.strategy).__name__}. Export from a "
                 "consolidated checkpoint with lightning_hetero.matformer.export.export_tier instead."
             )
-        if self.tiers is not None:
-            check_tiers_fit("TierExport", model, self.tiers)
+        tiers = self.resolved_tiers if self.resolved_tiers is not None else self.resolve_tiers(trainer)
+        check_tiers_fit("TierExport", model, tiers)
 
     def _tokenizer(self, trainer: Trainer) -> Any | None:
         if not self.save_tokenizer or trainer.datamodule is None:
@@ -80,7 +94,7 @@ class TierExport(Callback):
     def export(self, trainer: Trainer, pl_module: LightningModule) -> dict[int, Path]:
         """Export every tier now (what ``on_fit_end`` does on global rank 0) and return tier -> directory."""
         model = find_hf_model(pl_module, "TierExport")
-        tiers = list(self.tiers) if self.tiers is not None else default_tiers(model)
+        tiers = self.resolved_tiers if self.resolved_tiers is not None else self.resolve_tiers(trainer)
         tokenizer = self._tokenizer(trainer)
         blocks = find_ffns(model)
         params = dict(model.named_parameters())

@@ -1,7 +1,8 @@
 """Tiered MatFormer training: nested FFN prefixes of one shared model, one width per rank.
 
-Framework-free building blocks (FFN adapters, slicing and export, schema hashing, tier layouts and per-region gradient
-aggregation, checkpoint slicing) and the runtime the strategies drive. The Lightning adapters live in
+:class:`MatFormerSettings` holds every setting, declared once. Framework-free building blocks (FFN adapters, slicing
+and export, schema hashing, tier layouts and per-region gradient aggregation, checkpoint slicing) and the runtime the
+strategies drive. The Lightning adapters live in
 :mod:`lightning_hetero.strategies.matformer` (``lightning_hetero.MatFormerStrategy`` for the Trainer,
 ``lightning_hetero.fabric.MatFormerStrategy`` for Fabric). See ``docs/matformer.md`` and
 ``docs/matformer_aggregation.md``.
@@ -35,6 +36,7 @@ from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.regions import Region, regions
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.schema import SchemaMismatchError, canonical_schema, compare_schemas, schema_hash
+from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.matformer.slicing import mask_suffix_gradients, slice_model, tier_view
 from lightning_hetero.matformer.tiers import bytes_per_step, contributor_counts
 from lightning_hetero.matformer.types import FFNParameter, tier_width
@@ -46,6 +48,7 @@ __all__ = [
     "FFNParameter",
     "HelperConfig",
     "MatFormerRuntime",
+    "MatFormerSettings",
     "Projection",
     "Region",
     "RegionGroups",

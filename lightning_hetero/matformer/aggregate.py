@@ -195,7 +195,7 @@ def _check_demo(
 ) -> None:
     if exchange is None:
         raise ValueError(
-            "mode='demo' needs exchange=CompressedExchange(groups, compression=...) built once at setup: it holds"
+            "mode='demo' needs exchange=CompressedExchange(groups, kept_fraction=...) built once at setup: it holds"
             " each bucket's error-feedback buffer, which must persist across steps."
         )
     if exchange.groups is not groups:

@@ -27,7 +27,6 @@ import math
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,26 +44,20 @@ from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.regions import layer_regions
 from lightning_hetero.matformer.types import FFNParameter
-from lightning_hetero.replication import Bucket, DeMoReplicator, build_replicator
+from lightning_hetero.replication import Bucket, DeMoReplicator
+from lightning_hetero.replication.settings import DEFAULT_KEPT_FRACTION, ReplicationSettings
 
 __all__ = [
     "CHECKPOINT_KEY",
     "CHECKPOINT_LABEL",
-    "DEFAULT_COMPRESSION",
-    "DEMO_OPTIONS",
     "CompressedExchange",
     "build_demo_replicator",
-    "check_demo_arguments",
     "decode_error_feedback",
     "sets_without_rank0",
     "demo_bytes_per_step",
     "demo_payload_bytes",
 ]
 
-DEFAULT_COMPRESSION = 1 / 32
-"""Fraction of DCT coefficients kept per chunk when ``compression`` is not given."""
-DEMO_OPTIONS = ("chunk", "values", "index_bits")
-"""Keys ``demo_options`` may hold (passed to :class:`~lightning_hetero.replication.DeMoReplicator`)."""
 CHECKPOINT_KEY = "matformer_error_feedback"
 """Checkpoint entry with every rank's error-feedback buffers."""
 CHECKPOINT_LABEL = "checkpoint"
@@ -72,49 +65,11 @@ CHECKPOINT_LABEL = "checkpoint"
 _MAX_KEY_BYTES = 1 << 20  # bucket keys of one rank: a few dozen short strings; bounds a peer's announced size
 
 
-def build_demo_replicator(compression: float | None = None, options: Mapping[str, Any] | None = None) -> DeMoReplicator:
-    """A DeMo replicator for ``compression`` and ``options`` (``chunk``, ``values``, ``index_bits``).
-
-    Raises:
-        ValueError: An unknown option or an invalid value; the message names the argument.
-    """
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(DEMO_OPTIONS))
-    if unknown:
-        raise ValueError(f"demo_options has unknown key(s) {unknown}; it accepts {list(DEMO_OPTIONS)}.")
-    replicator = build_replicator("demo", DEFAULT_COMPRESSION if compression is None else compression, **options)
+def build_demo_replicator(replication: ReplicationSettings | None = None) -> DeMoReplicator:
+    """A fresh DeMo replicator from ``replication`` (None: the defaults, 1/32 of the coefficients kept)."""
+    replicator = (replication or ReplicationSettings()).build("demo")
     assert isinstance(replicator, DeMoReplicator)
     return replicator
-
-
-def check_demo_arguments(
-    owner: str, mode: str, compression: Any, demo_options: Any, helper_fraction: Any = 0.0
-) -> None:
-    """Strategy-level checks of the ``demo`` arguments; every error names the argument and the fix.
-
-    ``compression`` and ``demo_options`` are None unless given; giving them with another mode is an error.
-    """
-    if mode != "demo":
-        if compression is not None or demo_options is not None:
-            raise ValueError(
-                f"{owner}(mode={mode!r}): compression= and demo_options= only apply to mode='demo'; drop them or set"
-                " mode='demo'."
-            )
-        return
-    if isinstance(helper_fraction, (int, float)) and helper_fraction > 0:
-        raise ValueError(
-            f"{owner}(mode='demo', helper_fraction={helper_fraction}): helpers send zeros for the tail neurons they"
-            " did not draw, which DeMo would encode into its error feedback. Set helper_fraction=0, or use"
-            " mode='mean' or 'sign' with helpers."
-        )
-    if demo_options is not None and not isinstance(demo_options, Mapping):
-        raise ValueError(f"{owner}(demo_options={demo_options!r}): give a dict with keys {list(DEMO_OPTIONS)}.")
-    try:
-        build_demo_replicator(compression, demo_options)
-    except ValueError as error:
-        name = "compression" if str(error).startswith("compression") else "demo_options"
-        given = compression if name == "compression" else demo_options
-        raise ValueError(f"{owner}({name}={given!r}): {error}") from None
 
 
 @dataclass
@@ -133,25 +88,25 @@ class CompressedExchange:
 
     Args:
         groups: The run's region groups; must have no helpers.
-        compression: Fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
+        kept_fraction: Fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
         chunk: DCT block side (default 64).
         values: Value encoding on the wire: ``"fp32"`` (default), ``"bf16"``, ``"sign"`` or ``"ternary"``.
-        index_bits: 12 or 16 (default: 12 when ``chunk * chunk <= 4096``).
+        index_bits: 12 or 16 (default None: 12 when ``chunk * chunk <= 4096``).
         on_bad_payload: A member's payload with an out-of-block index or NaN/Inf: ``"raise"`` a
             :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it (the bucket is decoded
             from the other members, logged).
 
     Raises:
-        ValueError: Helpers are active, or a bad compression option.
+        ValueError: Helpers are active, or a bad exchange setting (named as a ``ReplicationSettings`` field).
     """
 
     def __init__(
         self,
         groups: RegionGroups,
-        compression: float | None = None,
+        kept_fraction: float = DEFAULT_KEPT_FRACTION,
         *,
-        chunk: int | None = None,
-        values: str | None = None,
+        chunk: int = 64,
+        values: str = "fp32",
         index_bits: int | None = None,
         on_bad_payload: str = "raise",
     ) -> None:
@@ -163,17 +118,21 @@ class CompressedExchange:
                 " Use helper_fraction=0 with mode='demo', or mode='mean'/'sign' with helpers."
             )
         self.groups = groups
-        self.options = {"chunk": chunk, "values": values, "index_bits": index_bits}
-        self.compression = DEFAULT_COMPRESSION if compression is None else compression
-        template = build_demo_replicator(self.compression, self.options)  # validates before any group is touched
-        self.compression = template.compression
+        # Validated here, before any group is touched.
+        self.replication = ReplicationSettings(
+            kind="demo",
+            kept_fraction=kept_fraction,
+            chunk=chunk,
+            values=values,  # type: ignore[arg-type]
+            index_bits=index_bits,  # type: ignore[arg-type]
+        )
         initialized = dist.is_available() and dist.is_initialized()
         world = tuple(range(groups.layout.world_size))
         self.replicators: dict[tuple[int, ...], DeMoReplicator] = {}
         """One replicator per rank set with more than one member, bound to that set's process group."""
         for members in groups.member_sets:
             if len(members) > 1 and groups.rank in members:
-                replicator = build_demo_replicator(self.compression, self.options)
+                replicator = build_demo_replicator(self.replication)
                 replicator.set_bad_payload_policy(self.on_bad_payload)
                 group = groups.group(members)
                 replicator.setup(dist.group.WORLD if group is None and members == world and initialized else group)
@@ -189,7 +148,7 @@ class CompressedExchange:
 
     def payload_bytes(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> int:
         """Bytes one member contributes for a bucket of slabs of these shapes (the replicator's formula)."""
-        return build_demo_replicator(self.compression, self.options).payload_bytes(shapes)
+        return build_demo_replicator(self.replication).payload_bytes(shapes)
 
     # ------------------------------------------------------------------------------------------------ exchange
     def launch(self, members: tuple[int, ...], contribution: torch.Tensor, shapes: Sequence[torch.Size]) -> _Launched:
@@ -411,17 +370,17 @@ def demo_payload_bytes(
     ffn_params: Sequence[FFNParameter],
     param_shapes: Mapping[str, Sequence[int]],
     *,
-    compression: float | None = None,
-    demo_options: Mapping[str, Any] | None = None,
+    replication: ReplicationSettings | None = None,
 ) -> list[int]:
     """Bytes each rank contributes per step in ``mode="demo"`` (the ledger's ``payload_bytes`` of its gathers).
 
     Per rank: the sum, over the buckets of the rank sets it belongs to that have more than one member, of the DeMo
     payload of each slab: ``index_nbytes(B * k, index_bits) + value_nbytes(B * k, values, B)`` with ``B`` the slab's
-    DCT blocks and ``k = max(1, floor(compression * block_numel))``. Arguments as for
-    :func:`~lightning_hetero.matformer.tiers.bucket_numels` (full shapes of every parameter with a gradient).
+    DCT blocks and ``k = max(1, floor(kept_fraction * block_numel))`` (``replication``: the exchange's settings,
+    None: the defaults). Other arguments as for :func:`~lightning_hetero.matformer.tiers.bucket_numels` (full shapes
+    of every parameter with a gradient).
     """
-    replicator = build_demo_replicator(compression, demo_options)
+    replicator = build_demo_replicator(replication)
     totals = [0] * layout.world_size
     for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
         if len(members) > 1:
@@ -436,15 +395,14 @@ def demo_bytes_per_step(
     ffn_params: Sequence[FFNParameter],
     param_shapes: Mapping[str, Sequence[int]],
     *,
-    compression: float | None = None,
-    demo_options: Mapping[str, Any] | None = None,
+    replication: ReplicationSettings | None = None,
 ) -> list[int]:
     """Bytes each rank sends (and receives) per step in ``mode="demo"``: ``(n - 1) * payload`` per bucket of ``n``.
 
     The all-gather rule of :func:`~lightning_hetero.comm.ledger.wire_bytes`; compare with
     :func:`~lightning_hetero.matformer.tiers.bytes_per_step` for ``mean``.
     """
-    replicator = build_demo_replicator(compression, demo_options)
+    replicator = build_demo_replicator(replication)
     totals = [0] * layout.world_size
     for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
         if len(members) > 1:

@@ -1,9 +1,10 @@
 """The loop-independent core of tiered MatFormer training, shared by the Trainer and Fabric strategies.
 
-:class:`MatFormerRuntime` calls no Lightning API. It holds the knobs and their validation, the per-node tier
-expansion, the collective setup (schema check, broadcast of rank 0's initial weights, one process group per region rank
-set, slicing or masking), the per-region gradient sync, tier-consistent norm clipping, checkpoint slicing and the
-return to one full model after training. :mod:`lightning_hetero.strategies.matformer.trainer` (Trainer) and
+:class:`MatFormerRuntime` calls no Lightning API. It takes the validated
+:class:`~lightning_hetero.matformer.settings.MatFormerSettings` and holds the per-node tier expansion, the collective
+setup (schema check, broadcast of rank 0's initial weights, one process group per region rank set, slicing or
+masking), the per-region gradient sync, tier-consistent norm clipping, checkpoint slicing and the return to one full
+model after training. :mod:`lightning_hetero.strategies.matformer.trainer` (Trainer) and
 :mod:`lightning_hetero.strategies.matformer.fabric` (Fabric) only decide *when* each piece runs.
 
 A masked tier rank (``slice_weights=False``) trains only its neurons: a forward pre-hook on every FFN output
@@ -19,7 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,28 +30,20 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER
-from lightning_hetero.comm.validation import validate_on_bad_payload
 from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import aggregate_gradients
-from lightning_hetero.matformer.arguments import (
-    TierEntry,
-    as_list,
-    check_entries,
-    check_helper_arguments,
-    check_tier_weights,
-    expand_entries,
-    module_schema,
-)
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
-from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange, check_demo_arguments
+from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange
 from lightning_hetero.matformer.helper_ranks import HelperConfig, trained_neurons, validate_helpers
 from lightning_hetero.matformer.layout import TierLayout, widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
-from lightning_hetero.matformer.schema import SETUP_DOCUMENT, agree_on_schema, canonical_hash
+from lightning_hetero.matformer.schema import SETUP_DOCUMENT, agree_on_schema, canonical_hash, module_schema
+from lightning_hetero.matformer.settings import MatFormerSettings, TierEntry, as_list, expand_entries
 from lightning_hetero.matformer.slicing import slice_model
-from lightning_hetero.matformer.tiers import check_mode, rank_weights
+from lightning_hetero.matformer.tiers import rank_weights
 from lightning_hetero.matformer.types import FFNParameter
+from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["MatFormerRuntime"]
 
@@ -64,72 +57,22 @@ class MatFormerRuntime(StrategyRuntime):
     """The loop-independent part of tiered MatFormer training, shared by the Trainer and Fabric strategies.
 
     Args:
-        tiers: One entry per global rank, or per node (every rank of node ``k`` gets ``tiers[k]``). An entry is a
-            tier ``t`` (width ``h >> t``) or a list with one tier per FFN. Global rank 0 must be tier 0. ``None``
-            (and no ``widths``): every rank trains tier 0, which is plain data parallelism.
-        widths: Like ``tiers`` but in FFN units (``[1, h]``); exclusive with ``tiers``.
-        mode: Aggregation: ``"mean"``, ``"sign"`` or ``"demo"`` (the mean sent as DCT top-k with error feedback).
-        tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
-        helper_fraction: Tail neurons a tier > 0 rank also trains, relative to its width (0 turns helpers off).
-            Needs ``slice_weights=False``.
-        helper_redraw_every: Optimizer steps between helper re-draws.
-        helper_seed: Seed of the helper draws.
-        slice_weights: True: a tier-``t`` rank physically holds only its FFN prefixes (memory savings). False: it
-            keeps full weights and trains its neurons through a 0/1 mask on the FFN hidden activations.
-        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]`` (default 1/32).
-        demo_options: ``mode="demo"`` only: ``chunk``, ``values``, ``index_bits`` of the DeMo replicator.
-        on_bad_payload: ``"raise"`` (default): a corrupt peer payload (NaN/Inf in an all-reduced bucket, an
-            out-of-block DCT index) stops training with a :class:`~lightning_hetero.comm.validation.PeerPayloadError`;
-            ``"drop"``: it is left out (logged). A different model schema always raises, at setup.
+        settings: The strategy's settings (validated when they were built; see :class:`MatFormerSettings`).
         owner: Class name used in error messages.
     """
 
     checkpoint_key = CHECKPOINT_KEY  # mode="demo": every rank's error-feedback buffers, in rank 0's checkpoint
 
-    def __init__(
-        self,
-        tiers: Sequence[TierEntry] | None = None,
-        widths: Sequence[TierEntry] | None = None,
-        mode: str = "mean",
-        tier_weights: Sequence[float] | None = None,
-        helper_fraction: float = 0.0,
-        helper_redraw_every: int = 16,
-        helper_seed: int = 0,
-        slice_weights: bool = True,
-        owner: str = "MatFormerStrategy",
-        compression: float | None = None,
-        demo_options: Mapping[str, Any] | None = None,
-        on_bad_payload: str = "raise",
-    ) -> None:
+    def __init__(self, settings: MatFormerSettings, owner: str = "MatFormerStrategy") -> None:
+        if not isinstance(settings, MatFormerSettings):
+            raise TypeError(
+                f"{owner}: settings={settings!r}; pass a MatFormerSettings(...) (in YAML: a mapping under "
+                "init_args.settings)."
+            )
+        self.settings = settings
         self.owner = owner
-        self.on_bad_payload = validate_on_bad_payload(owner, on_bad_payload)
         self.schema_hash: str | None = None
         """sha256 of the canonical tier-0 schema every rank agreed on at setup."""
-        if tiers is not None and widths is not None:
-            raise ValueError(f"{owner}: pass tiers=[...] or widths=[...], not both.")
-        self.unit: Literal["tier", "width"] = "width" if widths is not None else "tier"
-        given = tiers if tiers is not None else widths
-        self.entries = None if given is None else check_entries(owner, self.unit, given)
-        if self.unit == "tier" and self.entries is not None and any(as_list(self.entries[0])):
-            raise ValueError(
-                f"{owner}(tiers={list(self.entries)}): global rank 0 must be tier 0, because it holds the full model "
-                "that is checkpointed and exported. Put a tier-0 rank (or node) first, e.g. tiers=[0, 1, 2]."
-            )
-        try:
-            self.mode = check_mode(mode)
-        except ValueError as error:
-            raise ValueError(f"{owner}(mode={mode!r}): {error}") from None
-        self.tier_weights = (
-            None if tier_weights is None else check_tier_weights(owner, tier_weights, self.unit, self.entries)
-        )
-        check_helper_arguments(owner, helper_fraction, helper_redraw_every, helper_seed, slice_weights)
-        check_demo_arguments(owner, self.mode, compression, demo_options, helper_fraction)
-        self.compression = compression
-        self.demo_options = dict(demo_options or {})
-        self.helper_fraction = float(helper_fraction)
-        self.helper_redraw_every = helper_redraw_every
-        self.helper_seed = helper_seed
-        self.slice_weights = bool(slice_weights)
         self.per_rank: list[TierEntry] | None = None
         """Every global rank's entry, once :meth:`resolve_world` ran."""
         self.layout: TierLayout | None = None
@@ -151,7 +94,7 @@ class MatFormerRuntime(StrategyRuntime):
     # ------------------------------------------------------------------------------------------------ world
     def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
         """Expand the entries to one per global rank (per-node lists: node ``k`` holds ranks ``[kP, (k+1)P)``)."""
-        self.per_rank = expand_entries(self.owner, self.unit, self.entries, world_size, num_nodes)
+        self.per_rank = expand_entries(self.owner, self.settings, world_size, num_nodes)
         return self.per_rank
 
     def resolve_launch(self, world: WorldLayout) -> None:
@@ -163,7 +106,7 @@ class MatFormerRuntime(StrategyRuntime):
         if self.layout is not None:
             tiers = {self.layout.tier(rank, column) for column in self.layout.columns()}
             return tiers.pop() if len(tiers) == 1 else None
-        if self.per_rank is None or self.unit != "tier" or rank >= len(self.per_rank):
+        if self.per_rank is None or self.settings.unit != "tier" or rank >= len(self.per_rank):
             return None
         values = set(as_list(self.per_rank[rank]))
         return values.pop() if len(values) == 1 else None
@@ -214,15 +157,21 @@ class MatFormerRuntime(StrategyRuntime):
         self.layout = self._build_layout(blocks)
         self.helpers = self._build_helpers(self.layout)
         self.groups = RegionGroups(self.layout, helpers=self.helpers, label=INTER)
-        if self.mode == "demo":
+        if self.settings.mode == "demo":
+            replication = self.settings.replication or ReplicationSettings()
             self.exchange = CompressedExchange(
-                self.groups, self.compression, **self.demo_options, on_bad_payload=self.on_bad_payload
+                self.groups,
+                replication.kept_fraction,
+                chunk=replication.chunk,
+                values=replication.values,
+                index_bits=replication.index_bits,
+                on_bad_payload=self.settings.on_bad_payload,
             )
             if self._pending_exchange_state is not None:
                 self.exchange.load_state_dict(self._pending_exchange_state)
                 self._pending_exchange_state = None
         self.local_widths = [self.layout.width(self.rank, b.layer) for b in blocks]
-        if self.slice_weights:
+        if self.settings.slice_weights:
             if any(w != b.full_size for w, b in zip(self.local_widths, blocks, strict=True)):
                 slice_model(module, widths=self.local_widths)
                 self.sliced = True
@@ -230,7 +179,8 @@ class MatFormerRuntime(StrategyRuntime):
             self._install_masks(module)
 
     def _build_layout(self, blocks: Sequence[FFNBlock]) -> TierLayout:
-        name = "tiers" if self.unit == "tier" else "widths"
+        unit = self.settings.unit
+        name = "tiers" if unit == "tier" else "widths"
         assert self.per_rank is not None
         sizes = [b.full_size for b in blocks]
         per_layer = any(not isinstance(entry, int) for entry in self.per_rank)
@@ -240,35 +190,37 @@ class MatFormerRuntime(StrategyRuntime):
                 self.per_rank,
                 sizes[0] if uniform else sizes,
                 num_layers=None if uniform else len(blocks),
-                unit=self.unit,
+                unit=unit,
             )
         except ValueError as error:
             raise ValueError(
-                f"{self.owner}({name}={self.per_rank}) does not fit the model's {len(blocks)} FFNs of sizes "
-                f"{sorted(set(sizes))} (a per-layer entry needs one value per FFN): {error}"
+                f"{self.owner}: settings.{name}={self.per_rank} does not fit the model's {len(blocks)} FFNs of "
+                f"sizes {sorted(set(sizes))} (a per-layer entry needs one value per FFN): {error}"
             ) from None
         if layout.widths[0] != layout.full_sizes:
             raise ValueError(
-                f"{self.owner}({name}={self.per_rank}): global rank 0 must train the full width of every FFN "
-                f"(sizes {list(layout.full_sizes)}), because it holds the model that is checkpointed and exported."
+                f"{self.owner}: settings.{name}={self.per_rank}: global rank 0 must train the full width of every "
+                f"FFN (sizes {list(layout.full_sizes)}), because it holds the model that is checkpointed and exported."
             )
-        if self.tier_weights is not None:
+        tier_weights = self.settings.tier_weights
+        if tier_weights is not None:
             try:
                 for layer in [None, *layout.columns()]:
-                    rank_weights(layout, self.tier_weights, layer)
+                    rank_weights(layout, tier_weights, layer)
             except ValueError as error:
-                raise ValueError(f"{self.owner}(tier_weights={list(self.tier_weights)}): {error}") from None
+                raise ValueError(f"{self.owner}: settings.tier_weights={tier_weights}: {error}") from None
         return layout
 
     def _build_helpers(self, layout: TierLayout) -> dict[int, HelperConfig]:
-        if self.helper_fraction == 0:
+        settings = self.settings
+        if settings.helper_fraction == 0:
             return {}
-        config = HelperConfig(self.helper_fraction, self.helper_seed, self.helper_redraw_every)
+        config = HelperConfig(settings.helper_fraction, settings.helper_seed, settings.helper_redraw_every)
         candidates = {rank: config for rank in range(layout.world_size) if layout.widths[rank] != layout.full_sizes}
         try:
             return validate_helpers(layout, candidates)
         except ValueError as error:
-            raise ValueError(f"{self.owner}(helper_fraction={self.helper_fraction}): {error}") from None
+            raise ValueError(f"{self.owner}: settings.helper_fraction={settings.helper_fraction}: {error}") from None
 
     def teardown(self) -> None:
         self.remove_masks()
@@ -291,7 +243,7 @@ class MatFormerRuntime(StrategyRuntime):
         hidden = args[0]
         training = projection.training
         step = self.step_fn() if training and self.helpers else 0
-        key = (layer, training, step // self.helper_redraw_every)
+        key = (layer, training, step // self.settings.helper_redraw_every)
         mask = self._masks.get(key)
         if mask is None:
             assert self.layout is not None
@@ -329,11 +281,11 @@ class MatFormerRuntime(StrategyRuntime):
             grads,
             self.ffn_params,
             self.groups,
-            self.mode,
-            self.tier_weights,
+            self.settings.mode,
+            self.settings.tier_weights,
             step=step,
             exchange=self.exchange,
-            on_bad_payload=self.on_bad_payload,
+            on_bad_payload=self.settings.on_bad_payload,
         )
         if self.exchange is not None:
             self.exchange.check_loaded_state_used()
@@ -384,7 +336,7 @@ class MatFormerRuntime(StrategyRuntime):
         A checkpoint without the entry (saved in another mode) or from another world size resets them to zero, with
         a warning: training goes on, but not bit-identically.
         """
-        if self.mode != "demo":
+        if self.settings.mode != "demo":
             return
         initialized = dist.is_available() and dist.is_initialized()
         world, rank = (dist.get_world_size(), dist.get_rank()) if initialized else (1, 0)

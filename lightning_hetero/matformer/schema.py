@@ -15,6 +15,9 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from torch import nn
+from transformers import PreTrainedModel
+
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.adapters import (
     BASE_SIZE_KEY,
@@ -120,6 +123,19 @@ def canonical_schema(config: Any, ignore_fields: Iterable[str] = ()) -> dict[str
         elif data.get(field) is None:
             data[field] = default_intermediate_size(data)
     return _drop_fields(data, PER_RANK_FIELDS | frozenset(ignore_fields))
+
+
+def module_schema(module: nn.Module) -> dict[str, Any]:
+    """The canonical tier-0 schema of the HF model(s) in ``module``, or its parameter shapes if it holds none."""
+    outermost: list[tuple[str, PreTrainedModel]] = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(path.startswith(p + ".") for p, _ in outermost):
+            outermost.append((path, sub))
+    if len(outermost) == 1:
+        return canonical_schema(outermost[0][1].config)
+    if outermost:
+        return {path or "<root>": canonical_schema(model.config) for path, model in outermost}
+    return {"parameters": {name: list(p.shape) for name, p in module.named_parameters()}}
 
 
 def schema_hash(config: Any, ignore_fields: Iterable[str] = ()) -> str:

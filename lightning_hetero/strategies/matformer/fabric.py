@@ -3,7 +3,7 @@
 The work is done by :class:`~lightning_hetero.matformer.runtime.MatFormerRuntime`, shared with the Trainer strategy;
 this module decides when it runs. Usage::
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=MatFormerStrategy(tiers=[0, 1]))
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1])))
     fabric.launch()
     model = fabric.setup_module(model)  # rank 0's weights everywhere, then this rank's FFNs cut to its tier
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
@@ -18,16 +18,17 @@ works too: the optimizer, which must not hold state yet, is re-pointed at the sl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
+from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["MatFormerStrategy"]
@@ -55,43 +56,24 @@ class MatFormerStrategy(FabricStrategyBase):
     Checkpoints (``fabric.save``) hold rank 0's full model and optimizer; ``fabric.load`` slices them for each rank.
 
     Args:
-        tiers: One entry per global rank, or per node; an entry is a tier ``t`` (FFN width ``h >> t``) or a list
-            with one tier per FFN. Global rank 0 must be tier 0. Default: every rank tier 0.
-        widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``.
-        mode: ``"mean"``, ``"sign"`` or ``"demo"`` (the per-region mean sent as DCT top-k with error feedback).
-        tier_weights: One weight per tier (index = tier); None weighs ranks equally.
-        helper_fraction: Rotating tail neurons a tier > 0 rank also trains, relative to its width (0: off). Needs
-            ``slice_weights=False``.
-        helper_redraw_every: Optimizer steps (gradient syncs) between helper re-draws.
-        helper_seed: Seed of the helper draws.
-        slice_weights: True: a tier-``t`` rank holds only its prefixes. False: full weights and a neuron mask.
-        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
-            (default 1/32).
-        demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
-        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
+        settings: The strategy's settings (see :class:`~lightning_hetero.matformer.settings.MatFormerSettings`);
+            default: all defaults.
         **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
             ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
 
-    def __init__(
-        self,
-        tiers: list[int | list[int]] | None = None,
-        widths: list[int | list[int]] | None = None,
-        mode: str = "mean",
-        tier_weights: list[float] | None = None,
-        helper_fraction: float = 0.0,
-        helper_redraw_every: int = 16,
-        helper_seed: int = 0,
-        slice_weights: bool = True,
-        compression: float | None = None,
-        demo_options: dict[str, Any] | None = None,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)
+    settings_class: ClassVar[type] = MatFormerSettings
+
+    def __init__(self, settings: MatFormerSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, MatFormerSettings.RENAMED)
+        super().__init__(MatFormerRuntime(settings or MatFormerSettings(), owner=type(self).__name__), **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
+
+    @property
+    def settings(self) -> MatFormerSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
 
     @property
     def tier(self) -> int | None:

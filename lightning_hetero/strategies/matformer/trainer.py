@@ -3,7 +3,8 @@
 Every rank trains the same model at its own FFN width: a tier-``t`` rank trains the first ``h >> t`` hidden units of
 every FFN (or one width per FFN, Mix'n'Match). Gradients are averaged (or voted) per nested region among exactly the
 ranks that hold it (:mod:`lightning_hetero.matformer.aggregate`), so a small rank moves only the bytes of what it
-holds. With ``slice_weights=True`` a small rank physically holds only its prefixes.
+holds. With ``settings.slice_weights=True`` a small rank physically holds only its prefixes. Every setting is a field
+of :class:`~lightning_hetero.matformer.settings.MatFormerSettings`.
 
 How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP wrapper because shapes differ):
 
@@ -19,7 +20,7 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -28,15 +29,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.core import runtime_arguments
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
+from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
 
 TIER_LOSS_LABEL = "metrics"
-"""Ledger label of the per-tier loss all-reduce (``log_tier_losses=True``), kept apart from the gradient bytes."""
+"""Ledger label of the per-tier loss all-reduce (``settings.log_tier_losses``), kept apart from the gradient bytes."""
 
 
 class MatFormerStrategy(TrainerStrategyBase):
@@ -46,51 +48,28 @@ class MatFormerStrategy(TrainerStrategyBase):
     in ``__init__`` or in ``configure_model``). Global rank 0 must be tier 0: it holds the full model, which is what
     checkpoints and exports contain.
 
+    Usage: ``MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]))``; in YAML,
+    ``strategy: {class_path: MatFormerStrategy, init_args: {settings: {tiers: [0, 1]}}}``.
+
     Args:
-        tiers: One entry per global rank (``[0, 0, 1, 2]``) or per node (every rank of node ``k`` gets ``tiers[k]``);
-            an entry is a tier ``t`` (FFN width ``h >> t``) or a list with one tier per FFN (Mix'n'Match). Default:
-            every rank tier 0 (plain data parallelism).
-        widths: Like ``tiers`` but in FFN units; exclusive with ``tiers``. Rank 0 must be full width.
-        mode: ``"mean"`` (per-region mean; all tier 0 equals DDP), ``"sign"`` (per-region majority vote) or
-            ``"demo"`` (the per-region mean sent as DCT top-k with error feedback, FlexDeMo's DeMo replicator).
-        tier_weights: One weight per tier (index = tier) for the per-region weighted mean or vote; None: equal.
-        helper_fraction: A tier > 0 rank also trains ``floor(width * fraction)`` rotating tail neurons per FFN
-            (0: off). Needs ``slice_weights=False``.
-        helper_redraw_every: Optimizer steps between helper re-draws.
-        helper_seed: Seed of the helper draws.
-        slice_weights: True: a tier-``t`` rank holds only its prefixes (real memory savings). False: full weights,
-            trained through a 0/1 mask on the FFN hidden activations (needed for helpers).
-        compression: ``mode="demo"`` only: fraction of DCT coefficients kept per chunk, in ``(0, 1]``
-            (default 1/32).
-        demo_options: ``mode="demo"`` only: ``{"chunk": 64, "values": "fp32", "index_bits": 12}`` (any subset).
-        log_tier_losses: Also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks), at the cost of
-            one small all-reduce per training step (ledger label ``"metrics"``).
-        on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
-            :class:`~lightning_hetero.comm.validation.PeerPayloadError` (default), or ``"drop"`` it and log.
+        settings: The strategy's settings (see :class:`~lightning_hetero.matformer.settings.MatFormerSettings`);
+            default: all defaults.
         **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
             ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    def __init__(
-        self,
-        tiers: list[int | list[int]] | None = None,
-        widths: list[int | list[int]] | None = None,
-        mode: str = "mean",
-        tier_weights: list[float] | None = None,
-        helper_fraction: float = 0.0,
-        helper_redraw_every: int = 16,
-        helper_seed: int = 0,
-        slice_weights: bool = True,
-        compression: float | None = None,
-        demo_options: dict[str, Any] | None = None,
-        log_tier_losses: bool = False,
-        on_bad_payload: str = "raise",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(MatFormerRuntime(**runtime_arguments(MatFormerRuntime, locals())), **kwargs)
-        self.log_tier_losses = bool(log_tier_losses)
+    settings_class: ClassVar[type] = MatFormerSettings
+
+    def __init__(self, settings: MatFormerSettings | None = None, **kwargs: Any) -> None:
+        reject_renamed(type(self).__name__, kwargs, MatFormerSettings.RENAMED)
+        super().__init__(MatFormerRuntime(settings or MatFormerSettings(), owner=type(self).__name__), **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
+    @property
+    def settings(self) -> MatFormerSettings:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings
+
     @property
     def tier(self) -> int | None:
         """This rank's tier (None for per-layer or non power-of-two widths); known from ``Trainer(...)`` on."""
@@ -136,7 +115,7 @@ class MatFormerStrategy(TrainerStrategyBase):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self.log_tier_losses:
+        if self.settings.log_tier_losses:
             self._log_tier_losses(output)
         return output
 

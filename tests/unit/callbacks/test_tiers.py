@@ -19,10 +19,12 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
+from lightning_hetero import MatFormerStrategy
 from lightning_hetero.callbacks import MatFormerSampler, TierEvaluation, TierExport
-from lightning_hetero.callbacks.tier_common import default_tiers, find_hf_model
+from lightning_hetero.callbacks.tier_common import find_hf_model, max_tier
 from lightning_hetero.data.base import FixedOrderSampler, fair_prefix
 from lightning_hetero.matformer.adapters import find_ffns
+from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.matformer.slicing import tier_view
 from lightning_hetero.models import CausalLMModule
 from tests.usercode.usernets import UserLlama
@@ -291,7 +293,7 @@ def test_sampler_rejects_tiers_the_model_cannot_run():
 
 # ------------------------------------------------------------------------------------------------- evaluation
 def test_tier_evaluation_logs_every_tier_and_tier0_equals_val_loss():
-    evaluation = TierEvaluation()
+    evaluation = TierEvaluation(tiers=[0, 1, 2, 3])
     calls = []
     original = evaluation.evaluate
     evaluation.evaluate = lambda *args, **kw: calls.append(args[2]) or original(*args, **kw)  # type: ignore[method-assign]
@@ -370,13 +372,13 @@ class _NoValidation(_Probe):
 def test_tier_evaluation_without_validation_step_fails_before_the_first_step():
     module = _NoValidation()
     with pytest.raises(TypeError, match=r"TierEvaluation .*_NoValidation defines neither validation_step nor"):
-        _trainer([TierEvaluation()], max_steps=2).fit(module)
+        _trainer([TierEvaluation(tiers=[0, 1])], max_steps=2).fit(module)
     assert module.steps_seen == 0
 
 
 def test_tier_evaluation_with_a_metric_the_module_never_logs_fails_before_the_first_step():
     module = _Probe()
-    evaluation = TierEvaluation(metric="val_accuracy", limit_batches=1)
+    evaluation = TierEvaluation(tiers=[0, 1], metric="val_accuracy", limit_batches=1)
     with pytest.raises(RuntimeError, match=r"TierEvaluation\(metric='val_accuracy'\).*it logged \['val_loss'\]"):
         _trainer([evaluation], max_steps=2, limit_val_batches=1, val_check_interval=2).fit(module)
     assert module.steps_seen == 0
@@ -417,10 +419,11 @@ def test_tier_export_prints_no_progress_bars_and_restores_the_setting(tmp_path, 
     assert hf_logging.is_progress_bar_enabled(), "the caller's setting is restored"
 
 
-def test_tier_export_defaults_and_no_tokenizer(tmp_path):
+def test_tier_export_tiers_from_the_sampler_and_no_tokenizer(tmp_path):
     export = TierExport(dirpath=str(tmp_path), save_tokenizer=False)
-    _trainer([export], max_steps=1).fit(_module(), datamodule=_Tokens(tokenizer=_FakeTokenizer()))
-    assert sorted(export.exported) == [0, 1, 2, 3]
+    sampler = MatFormerSampler(tiers=[0, 1, 3])
+    _trainer([sampler, export], max_steps=1).fit(_module(), datamodule=_Tokens(tokenizer=_FakeTokenizer()))
+    assert sorted(export.exported) == [0, 1, 3]
     assert not list(tmp_path.rglob("tokenizer_marker.json"))
 
 
@@ -442,13 +445,13 @@ def test_find_hf_model():
     assert find_hf_model(module) is module.model
     holder = torch.nn.ModuleDict({"encoder": torch.nn.Linear(2, 2), "lm": module.model})
     assert find_hf_model(holder) is module.model
-    assert default_tiers(module) == [0, 1, 2, 3]
+    assert max_tier(find_ffns(module)) == 6  # FFN size 64 halves 6 times
     with pytest.raises(ValueError, match="TierExport needs a Hugging Face PreTrainedModel inside _NoHF"):
         find_hf_model(_NoHF())
 
 
 def test_tier_export_fails_before_training_without_an_hf_model(tmp_path):
-    trainer = _trainer([TierExport(dirpath=str(tmp_path))], max_steps=1)
+    trainer = _trainer([TierExport(dirpath=str(tmp_path), tiers=[0, 1])], max_steps=1)
     with pytest.raises(ValueError, match="PreTrainedModel"):
         trainer.fit(_NoHF(), datamodule=_Tokens())
 
@@ -475,3 +478,78 @@ def test_tier_export_fails_before_training_without_an_hf_model(tmp_path):
 def test_bad_arguments_raise(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+# ------------------------------------------------------------------------------------------- where tiers come from
+def _matformer_trainer(callbacks: list[Callback], settings: MatFormerSettings) -> Trainer:
+    """A Trainer with a 2-rank MatFormerStrategy; nothing is launched before fit, so callbacks can be set up by hand."""
+    return _trainer(callbacks, devices=2, strategy=MatFormerStrategy(settings=settings))
+
+
+@pytest.mark.parametrize("factory", [lambda: TierEvaluation(), lambda: TierExport(dirpath="x")], ids=["eval", "export"])
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (MatFormerSettings(tiers=[0, 2]), [0, 2]),
+        (MatFormerSettings(tiers=[0, 2, 2, 1]), [0, 1, 2]),  # per rank on 2 nodes: the distinct tiers, sorted
+        (MatFormerSettings(), [0]),  # no tiers: every rank trains tier 0
+    ],
+)
+def test_callbacks_without_tiers_read_the_matformer_strategys_tiers(factory, settings, expected):
+    callback = factory()
+    trainer = _trainer(
+        [callback],
+        devices=2,
+        num_nodes=2 if len(settings.tiers or []) == 4 else 1,
+        strategy=MatFormerStrategy(settings=settings),
+    )
+    callback.setup(trainer, _module(), "fit")
+    assert callback.resolved_tiers == expected
+    assert callback.tiers is None, "the argument itself is kept as given"
+
+
+@pytest.mark.parametrize(
+    ("factory", "owner"),
+    [
+        (lambda: TierEvaluation(tiers=[0, 1, 2]), "TierEvaluation"),
+        (lambda: TierExport("x", tiers=[0, 1, 2]), "TierExport"),
+    ],
+)
+def test_callback_tiers_that_differ_from_the_strategys_fail_naming_both(factory, owner):
+    trainer = _matformer_trainer([factory()], MatFormerSettings(tiers=[0, 2]))
+    with pytest.raises(ValueError, match=rf"{owner}\(tiers=\[0, 1, 2\]\).*MatFormerSettings.tiers=\[0, 2\]"):
+        trainer.callbacks[0].setup(trainer, _module(), "fit")
+    same = TierEvaluation(tiers=[2, 0])  # the same tiers in another order are the same tiers
+    same.setup(_matformer_trainer([same], MatFormerSettings(tiers=[0, 2])), _module(), "fit")
+    assert same.resolved_tiers == [2, 0]
+
+
+@pytest.mark.parametrize(
+    "settings", [MatFormerSettings(tiers=[0, [1, 2]]), MatFormerSettings(widths=[64, 48])], ids=["per-ffn", "widths"]
+)
+def test_callbacks_without_tiers_need_them_when_the_strategy_names_no_single_tier(settings):
+    evaluation = TierEvaluation()
+    with pytest.raises(ValueError, match=r"TierEvaluation: .*pass TierEvaluation\(tiers=\[\.\.\.\]\)"):
+        evaluation.setup(_matformer_trainer([evaluation], settings), _module(), "fit")
+    given = TierEvaluation(tiers=[0, 1])  # given tiers cannot be compared with per-FFN tiers or widths: used as given
+    given.setup(_matformer_trainer([given], settings), _module(), "fit")
+    assert given.resolved_tiers == [0, 1]
+
+
+@pytest.mark.parametrize("factory", [lambda: TierEvaluation(), lambda: TierExport(dirpath="x")], ids=["eval", "export"])
+def test_callbacks_without_tiers_fail_before_training_under_another_strategy(factory):
+    module = _Probe()
+    callback = factory()
+    name = type(callback).__name__
+    with pytest.raises(ValueError, match=rf"{name}: no tiers given.*SingleDeviceStrategy.*pass {name}\(tiers=\["):
+        _trainer([callback], max_steps=2).fit(module)
+    assert module.steps_seen == 0
+
+
+def test_callbacks_without_tiers_read_the_samplers_tiers():
+    sampler = MatFormerSampler(tiers=[0, 2, 3])
+    evaluation, export = TierEvaluation(), TierExport(dirpath="x")
+    trainer = _trainer([sampler, evaluation, export])
+    for callback in (evaluation, export):
+        callback.setup(trainer, _module(), "fit")
+        assert callback.resolved_tiers == [0, 2, 3]

@@ -7,7 +7,7 @@ import torch
 
 from lightning_hetero.comm import ByteLedger, get_ledger
 from lightning_hetero.matformer.aggregate import aggregate_gradients
-from lightning_hetero.matformer.compressed import CompressedExchange, build_demo_replicator
+from lightning_hetero.matformer.compressed import CompressedExchange
 from lightning_hetero.matformer.helper_ranks import HelperConfig
 from lightning_hetero.matformer.layout import widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
@@ -56,10 +56,10 @@ def test_demo_errors_name_the_fix() -> None:
         aggregate_gradients(_grads(), [UP], groups, "mean", exchange=CompressedExchange(groups))
     with pytest.raises(ValueError, match=r"drop label=/ledger= and use comm.get_ledger\(\).capture"):
         aggregate_gradients(_grads(), [UP], groups, "demo", ledger=ByteLedger(), exchange=CompressedExchange(groups))
-    with pytest.raises(ValueError, match=r"compression must be a number in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"ReplicationSettings.kept_fraction=0.0: use a fraction in \(0, 1\]"):
         CompressedExchange(groups, 0.0)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['combine'\]"):
-        build_demo_replicator(0.5, {"combine": "pickers"})
+    with pytest.raises(ValueError, match=r"ReplicationSettings.chunk=0"):
+        CompressedExchange(groups, 0.5, chunk=0)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from lightning_hetero.matformer.compressed import CompressedExchange, _Launched,
 from lightning_hetero.matformer.layout import widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.replication import Bucket
+from lightning_hetero.replication.settings import ReplicationSettings
 
 MEMBERS = 3
 SENTINEL = -7.0
@@ -44,7 +45,7 @@ def _exchange(policy: str, values: str = "fp32"):
     exchange = CompressedExchange(
         RegionGroups(widths_for([0], 8)), 1 / 8, chunk=8, values=values, on_bad_payload=policy
     )
-    replicator = build_demo_replicator(1 / 8, {"chunk": 8, "values": values})
+    replicator = build_demo_replicator(ReplicationSettings(kept_fraction=1 / 8, chunk=8, values=values))
     replicator.set_bad_payload_policy(policy)
     replicator.num_replicas = MEMBERS
     return exchange, replicator
@@ -62,7 +63,7 @@ def _finish(exchange, replicator, peers, view=None):
 
 
 def _honest(values: str = "fp32") -> torch.Tensor:
-    other = build_demo_replicator(1 / 8, {"chunk": 8, "values": values})
+    other = build_demo_replicator(ReplicationSettings(kept_fraction=1 / 8, chunk=8, values=values))
     return other.encode(0, torch.randn(8, 8, generator=torch.Generator().manual_seed(1))).wire
 
 
@@ -79,7 +80,8 @@ def test_drop_decodes_the_bucket_from_the_honest_members(caplog):
     exchange, replicator = _exchange("drop")
     with caplog.at_level(logging.WARNING, logger="lightning_hetero.peer_payloads"):
         view, piece, wires = _finish(exchange, replicator, lambda piece: [_inf_column(), _honest()])
-    honest_mean = build_demo_replicator(1 / 8, {"chunk": 8}).decode_gathered(piece, [wires[0], wires[2]])
+    honest = build_demo_replicator(ReplicationSettings(kept_fraction=1 / 8, chunk=8))
+    honest_mean = honest.decode_gathered(piece, [wires[0], wires[2]])
     assert torch.equal(view, honest_mean * MEMBERS)
     assert replicator.dropped_payloads == 1 and "replica 1" in caplog.text
 
@@ -97,7 +99,7 @@ def test_a_ternary_code_3_from_a_member_is_never_applied(policy):
         assert (error.value.peer, error.value.field) == (1, "values.codes")
         return
     view, piece, wires = _finish(exchange, replicator, peers)
-    honest = build_demo_replicator(1 / 8, {"chunk": 8, "values": "ternary"}).decode_gathered(
+    honest = build_demo_replicator(ReplicationSettings(kept_fraction=1 / 8, chunk=8, values="ternary")).decode_gathered(
         piece, [wires[0], wires[2]]
     )
     assert torch.equal(view, honest * MEMBERS)

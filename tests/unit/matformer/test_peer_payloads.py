@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.aggregate import _check_reduced
-from lightning_hetero.matformer.arguments import module_schema
 from lightning_hetero.matformer.compressed import (
     _bucket_names,
     build_demo_replicator,
@@ -27,8 +26,11 @@ from lightning_hetero.matformer.schema import (
     SchemaMismatchError,
     agree_on_schema,
     canonical_hash,
+    module_schema,
     schema_hash,
 )
+from lightning_hetero.matformer.settings import MatFormerSettings
+from lightning_hetero.replication.settings import ReplicationSettings
 from tests.payload_rule import assert_decoder_rule
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +83,7 @@ def test_a_non_finite_all_reduced_bucket_is_refused_or_zeroed(caplog):
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])
 def test_a_demo_bucket_with_a_forged_member_is_refused_or_decoded_from_the_others(policy):
-    replicator = build_demo_replicator(1 / 8, {"chunk": 16, "values": "fp32"})
+    replicator = build_demo_replicator(ReplicationSettings(kept_fraction=1 / 8, chunk=16, values="fp32"))
     replicator.set_bad_payload_policy(policy)
     piece = replicator.encode(0, torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
     forged = piece.wire.clone()
@@ -117,10 +119,10 @@ def test_checkpoint_bucket_keys_that_do_not_describe_the_values_are_refused():
             _bucket_names(raw(bad), 1, 10)
 
 
-def test_the_runtime_validates_the_policy():
-    assert MatFormerRuntime(on_bad_payload="drop").on_bad_payload == "drop"
-    with pytest.raises(ValueError, match="MatFormerStrategy\\(on_bad_payload='warn'\\)"):
-        MatFormerRuntime(on_bad_payload="warn")
+def test_the_settings_validate_the_policy():
+    assert MatFormerRuntime(MatFormerSettings(on_bad_payload="drop")).settings.on_bad_payload == "drop"
+    with pytest.raises(ValueError, match="MatFormerSettings.on_bad_payload='warn'"):
+        MatFormerSettings(on_bad_payload="warn")
 
 
 # ------------------------------------------------------------------------------- error-feedback gather (checkpoint)

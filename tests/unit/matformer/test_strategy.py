@@ -1,4 +1,4 @@
-"""MatFormerStrategy (Trainer and Fabric) without processes: arguments, world expansion, registration, CLI parsing,
+"""MatFormerStrategy (Trainer and Fabric) without processes: settings, world expansion, registration, CLI parsing,
 the sync/skip logic, masks, and the checkpoint slicing helpers. Milliseconds each, except the Trainer/CLI builds."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from lightning_hetero.matformer import (
     tier_view,
     widths_for,
 )
+from lightning_hetero.matformer.settings import MatFormerSettings
+from lightning_hetero.replication.settings import ReplicationSettings
 
 STRATEGIES = [MatFormerStrategy, FabricMatFormerStrategy]
 
@@ -52,50 +54,14 @@ def _llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-# ---------------------------------------------------------------------------------------------------- arguments
+# ---------------------------------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("cls", STRATEGIES)
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"tiers": [0, 1], "widths": [64, 32]}, ValueError, "not both"),
-        ({"tiers": [1, 0]}, ValueError, r"global rank 0 must be tier 0.*tiers=\[0, 1, 2\]"),
-        ({"tiers": [[0, 1], 0]}, ValueError, "global rank 0 must be tier 0"),
-        ({"tiers": [0, -1]}, ValueError, r"entry 1 \(-1\) must be an int >= 0"),
-        ({"tiers": []}, ValueError, "non-empty list"),
-        ({"widths": [64, 0]}, ValueError, r"entry 1 \(0\) must be an int >= 1"),
-        ({"helper_fraction": 0.5}, ValueError, r"slice_weights=True.*set slice_weights=False"),
-        ({"helper_fraction": -1.0, "slice_weights": False}, ValueError, "helper_fraction=-1.0"),
-        ({"helper_redraw_every": 0}, ValueError, "helper_redraw_every=0"),
-        ({"mode": "avg"}, ValueError, r"mode='avg'.*mean"),
-        ({"compression": 0.25}, ValueError, r"mode='mean'.*compression= and demo_options= only apply to mode='demo'"),
-        ({"demo_options": {"chunk": 8}}, ValueError, r"only apply to mode='demo'"),
-        ({"mode": "demo", "compression": 0.0}, ValueError, r"compression=0\.0.*fraction of coefficients kept"),
-        ({"mode": "demo", "compression": 1.5}, ValueError, r"compression=1\.5.*\(0, 1\]"),
-        ({"mode": "demo", "demo_options": {"chunk": 0}}, ValueError, r"demo_options=\{'chunk': 0\}.*chunk must be"),
-        ({"mode": "demo", "demo_options": {"values": "int4"}}, ValueError, r"demo_options=.*int4"),
-        ({"mode": "demo", "demo_options": {"combine": "pickers"}}, ValueError, r"unknown key\(s\) \['combine'\]"),
-        ({"mode": "demo", "demo_options": {"chunk": 128, "index_bits": 12}}, ValueError, r"index_bits=12 cannot"),
-        ({"mode": "demo", "demo_options": [8]}, ValueError, r"demo_options=\[8\]\): give a dict"),
-        (
-            {"mode": "demo", "helper_fraction": 0.5, "slice_weights": False},
-            ValueError,
-            r"mode='demo', helper_fraction=0\.5.*Set helper_fraction=0",
-        ),
-        ({"tiers": [0, 1, 2], "tier_weights": [1.0, 2.0]}, ValueError, r"one weight per tier 0\.\.2"),
-        ({"tier_weights": [1.0, 0.0]}, ValueError, r"weight 1 must be finite and > 0"),
-    ],
-)
-def test_argument_errors_name_the_argument(cls, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        cls(**kwargs)
-
-
-@pytest.mark.parametrize("cls", STRATEGIES)
-def test_demo_arguments_are_accepted(cls):
-    strategy = cls(tiers=[0, 1], mode="demo", compression=0.25, demo_options={"chunk": 16, "values": "bf16"})
-    assert strategy.runtime.mode == "demo" and strategy.runtime.compression == 0.25
-    assert strategy.runtime.demo_options == {"chunk": 16, "values": "bf16"}
-    assert cls(mode="demo").runtime.exchange is None  # built at setup, on the region groups
+def test_demo_settings_reach_the_runtime(cls):
+    replication = ReplicationSettings(kept_fraction=0.25, chunk=16, values="bf16")
+    strategy = cls(settings=MatFormerSettings(tiers=[0, 1], mode="demo", replication=replication))
+    assert strategy.settings is strategy.runtime.settings
+    assert strategy.settings.mode == "demo" and strategy.settings.replication == replication
+    assert cls(settings=MatFormerSettings(mode="demo")).runtime.exchange is None  # built at setup, on the groups
 
 
 def _trainer(strategy: MatFormerStrategy, **kwargs) -> L.Trainer:
@@ -104,23 +70,23 @@ def _trainer(strategy: MatFormerStrategy, **kwargs) -> L.Trainer:
 
 def test_tiers_length_is_checked_against_the_world_when_the_trainer_is_built():
     with pytest.raises(ValueError, match=r"3 entries, but the run has 2 ranks.*one entry per global rank \(2\)"):
-        _trainer(MatFormerStrategy(tiers=[0, 1, 2]), devices=2)
+        _trainer(MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1, 2])), devices=2)
     with pytest.raises(ValueError, match=r"run has 4 ranks \(2 node\(s\) x 2 devices\).*one per node \(2\)"):
-        _trainer(MatFormerStrategy(tiers=[0, 1, 1]), devices=2, num_nodes=2)
+        _trainer(MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1, 1])), devices=2, num_nodes=2)
 
 
 def test_per_node_tiers_expand_to_every_rank_of_the_node():
-    strategy = MatFormerStrategy(tiers=[0, [1, 2]])
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, [1, 2]]))
     _trainer(strategy, devices=3, num_nodes=2)
     assert strategy.tiers == [0, 0, 0, [1, 2], [1, 2], [1, 2]]
     assert strategy.tier == 0  # this process is global rank 0
-    per_rank = MatFormerStrategy(tiers=[0, 1, 2, 2])
+    per_rank = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1, 2, 2]))
     _trainer(per_rank, devices=2, num_nodes=2)
     assert per_rank.tiers == [0, 1, 2, 2]
-    default = MatFormerStrategy()
+    default = MatFormerStrategy()  # no settings: every rank tier 0
     _trainer(default, devices=2)
     assert default.tiers == [0, 0]
-    runtime = MatFormerRuntime(tiers=[0, 1, 2])
+    runtime = MatFormerRuntime(MatFormerSettings(tiers=[0, 1, 2]))
     assert [runtime.tier_of(r) for r in range(3)] == [None] * 3  # unknown before the world is resolved
     runtime.resolve_world(6, num_nodes=3)
     assert runtime.per_rank == [0, 0, 1, 1, 2, 2] and runtime.tier_of(3) == 1
@@ -128,8 +94,10 @@ def test_per_node_tiers_expand_to_every_rank_of_the_node():
 
 def test_fabric_checks_the_world_when_fabric_is_built():
     with pytest.raises(ValueError, match="one entry per global rank"):
-        Fabric(accelerator="cpu", devices=2, strategy=FabricMatFormerStrategy(tiers=[0, 1, 1]))
-    strategy = FabricMatFormerStrategy(tiers=[0, 1])
+        Fabric(
+            accelerator="cpu", devices=2, strategy=FabricMatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1, 1]))
+        )
+    strategy = FabricMatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]))
     Fabric(accelerator="cpu", devices=2, strategy=strategy)
     assert strategy.runtime.per_rank == [0, 1] and strategy.tier == 0
 
@@ -154,15 +122,17 @@ def test_cli_parses_the_strategy_from_yaml(tmp_path: Path, monkeypatch):
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy:\n"
-        "    class_path: lightning_hetero.MatFormerStrategy\n    init_args:\n      tiers: [0, [1, 0]]\n"
-        "      mode: sign\n      tier_weights: [1.0, 2.0]\n      slice_weights: false\n      helper_fraction: 0.25\n"
+        "    class_path: lightning_hetero.MatFormerStrategy\n    init_args:\n      settings:\n"
+        "        tiers: [0, [1, 0]]\n"
+        "        mode: sign\n        tier_weights: [1.0, 2.0]\n        slice_weights: false\n"
+        "        helper_fraction: 0.25\n"
     )
     cli = LightningCLI(BoringModel, BoringDataModule, args=["--config", str(config)], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MatFormerStrategy)
     assert strategy.tiers == [0, [1, 0]]
-    runtime = strategy.runtime
-    assert (runtime.mode, runtime.tier_weights, runtime.slice_weights, runtime.helper_fraction) == (
+    settings = strategy.settings
+    assert (settings.mode, settings.tier_weights, settings.slice_weights, settings.helper_fraction) == (
         "sign",
         [1.0, 2.0],
         False,
@@ -172,25 +142,27 @@ def test_cli_parses_the_strategy_from_yaml(tmp_path: Path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------- setup errors
 def test_unknown_architecture_fails_with_the_adapter_error():
-    runtime = MatFormerRuntime()
+    runtime = MatFormerRuntime(MatFormerSettings())
     with pytest.raises(UnsupportedModelError, match="register_adapter"):
         runtime.setup(nn.Sequential(nn.Linear(4, 4)), torch.device("cpu"), lambda: 0)
 
 
 def test_per_layer_entries_must_match_the_number_of_ffns():
-    runtime = MatFormerRuntime(tiers=[[0, 0, 0]])
-    with pytest.raises(ValueError, match=r"tiers=\[\[0, 0, 0\]\]\) does not fit the model's 2 FFNs.*one value per FFN"):
+    runtime = MatFormerRuntime(MatFormerSettings(tiers=[[0, 0, 0]]))
+    with pytest.raises(
+        ValueError, match=r"settings.tiers=\[\[0, 0, 0\]\] does not fit the model's 2 FFNs.*one value per FFN"
+    ):
         runtime.setup(_llama(), torch.device("cpu"), lambda: 0)
 
 
 def test_rank0_must_be_full_width_with_widths():
-    runtime = MatFormerRuntime(widths=[16])
+    runtime = MatFormerRuntime(MatFormerSettings(widths=[16]))
     with pytest.raises(ValueError, match="global rank 0 must train the full width"):
         runtime.setup(_llama(), torch.device("cpu"), lambda: 0)
 
 
 def test_world_of_one_is_plain_training():
-    runtime = MatFormerRuntime()
+    runtime = MatFormerRuntime(MatFormerSettings())
     model = _llama()
     runtime.setup(model, torch.device("cpu"), lambda: 0)
     assert runtime.layout == widths_for([0], 32) and not runtime.sliced and not runtime.heterogeneous
@@ -208,7 +180,7 @@ def test_world_of_one_is_plain_training():
 
 # ---------------------------------------------------------------------------------------------------- sync and skip
 def test_trainer_post_backward_syncs_unless_accumulating():
-    strategy = MatFormerStrategy(tiers=[0, 1])
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]))
     module = mock.Mock(trainer=mock.Mock(global_step=3), _trainer=object())
     strategy._lightning_module = module
     strategy.runtime.sync_gradients = mock.Mock()
@@ -220,7 +192,7 @@ def test_trainer_post_backward_syncs_unless_accumulating():
 
 
 def test_fabric_backward_syncs_unless_no_backward_sync():
-    strategy = FabricMatFormerStrategy(tiers=[0, 1])
+    strategy = FabricMatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]))
     strategy.precision = FabricPrecision()
     strategy._module = nn.Linear(2, 1)
     strategy.runtime.sync_gradients = mock.Mock()
@@ -234,7 +206,9 @@ def test_fabric_backward_syncs_unless_no_backward_sync():
 
 
 def test_fabric_setup_repoints_the_optimizer_at_the_sliced_parameters():
-    strategy = FabricMatFormerStrategy(tiers=[0, 1], parallel_devices=[torch.device("cpu")] * 2)
+    strategy = FabricMatFormerStrategy(
+        settings=MatFormerSettings(tiers=[0, 1]), parallel_devices=[torch.device("cpu")] * 2
+    )
     # Simulate a tier-1 rank: the collective setup is replaced by the slicing it ends with.
     strategy.runtime.setup = lambda module, device, step_fn: slice_model(module, tier=1)
     model = _llama()
@@ -242,7 +216,9 @@ def test_fabric_setup_repoints_the_optimizer_at_the_sliced_parameters():
     model, (optimizer,), _ = strategy.setup_module_and_optimizers(model, [optimizer])
     assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
     assert find_ffns(model)[0].width == 16
-    stale = FabricMatFormerStrategy(tiers=[0, 1], parallel_devices=[torch.device("cpu")] * 2)
+    stale = FabricMatFormerStrategy(
+        settings=MatFormerSettings(tiers=[0, 1]), parallel_devices=[torch.device("cpu")] * 2
+    )
     stale.runtime.setup = lambda module, device, step_fn: slice_model(module, tier=1)
     model = _llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -255,9 +231,10 @@ def test_fabric_setup_repoints_the_optimizer_at_the_sliced_parameters():
 # ---------------------------------------------------------------------------------------------------- masks
 def _masked_runtime(model: nn.Module, helper_fraction: float = 0.0) -> MatFormerRuntime:
     """A runtime as rank 1 of tiers [0, 1] with full weights (slice_weights=False), without a process group."""
-    runtime = MatFormerRuntime(
+    settings = MatFormerSettings(
         tiers=[0, 1], slice_weights=False, helper_fraction=helper_fraction, helper_redraw_every=2, helper_seed=3
     )
+    runtime = MatFormerRuntime(settings)
     runtime.rank, runtime.layout = 1, widths_for([0, 1], 32)
     runtime.helpers = runtime._build_helpers(runtime.layout)
     runtime.blocks = find_ffns(model)

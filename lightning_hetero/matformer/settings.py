@@ -1,0 +1,262 @@
+"""The settings of tiered MatFormer training, declared once: :class:`MatFormerSettings`.
+
+:class:`~lightning_hetero.matformer.runtime.MatFormerRuntime` takes them, and both Lightning adapters
+(``lightning_hetero.MatFormerStrategy`` for the Trainer, ``lightning_hetero.fabric.MatFormerStrategy`` for Fabric)
+take them as their ``settings`` argument, so a YAML sets each value once under ``init_args.settings`` and LightningCLI
+documents it once. Every field is checked when the object is built; what needs the launch (one tier entry per rank or
+per node, entries that fit the model's FFNs) is checked by the runtime at launch and setup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
+
+from lightning_hetero.core.settings import check_choice, check_int
+from lightning_hetero.replication.settings import ReplicationSettings
+
+__all__ = ["AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
+
+TierEntry = int | list[int]
+"""One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
+
+AggregationMode = Literal["mean", "sign", "demo"]
+"""How the gradients of one nested region are combined among the ranks that hold it."""
+
+_OWNER = "MatFormerSettings"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatFormerSettings:
+    """Tiered MatFormer data parallelism: every rank trains its own FFN prefix of one shared model.
+
+    A tier-``t`` rank trains the first ``h >> t`` hidden units of every FFN (or one width per FFN, Mix'n'Match);
+    gradients are combined per nested region among exactly the ranks that hold it. Global rank 0 trains the full
+    model (tier 0): it is what checkpoints and exports hold.
+
+    Attributes:
+        tiers: One entry per global rank (``[0, 0, 1, 2]``) or per node (every rank of node ``k`` gets
+            ``tiers[k]``); an entry is a tier ``t`` (FFN width ``h >> t``) or a list with one tier per FFN
+            (Mix'n'Match). The first entry must be tier 0. None (and no ``widths``): every rank trains tier 0, which
+            is plain data parallelism. ``TierEvaluation`` and ``TierExport`` read their tiers from here when not
+            given their own.
+        widths: Like ``tiers`` but in FFN units (ints >= 1); exclusive with ``tiers``. Rank 0 must be full width.
+        mode: ``"mean"`` (per-region mean; all tier 0 equals DDP), ``"sign"`` (per-region majority vote) or
+            ``"demo"`` (the per-region mean sent as DCT top-k with error feedback, see ``replication``).
+        tier_weights: One weight per tier (index = tier), each finite and > 0, for the per-region weighted mean or
+            vote; None: every rank weighs the same.
+        helper_fraction: A tier > 0 rank also trains ``floor(width * helper_fraction)`` rotating tail neurons per FFN;
+            >= 0, 0 turns helpers off. Needs ``slice_weights=False`` and a mode other than ``"demo"``.
+        helper_redraw_every: Optimizer steps between helper re-draws (int >= 1).
+        helper_seed: Seed of the helper draws.
+        slice_weights: True: a tier-``t`` rank physically holds only its FFN prefixes (real memory savings). False:
+            it keeps the full weights and trains its neurons through a 0/1 mask on the FFN hidden activations
+            (needed for helpers).
+        replication: ``mode="demo"`` only: the DeMo exchange (``kept_fraction``: fraction of DCT coefficients kept
+            per chunk, default 1/32; ``chunk``, ``values``, ``index_bits``). ``kind`` may only be ``"demo"`` and
+            ``combine`` only ``"mean"``. None: the defaults in ``mode="demo"``, nothing otherwise.
+        log_tier_losses: Trainer only: also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks),
+            at the cost of one small all-reduce per training step (ledger label ``"metrics"``).
+        on_bad_payload: What a corrupt peer payload (NaN/Inf in an all-reduced bucket, an out-of-block DCT index)
+            does: ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it and log
+            (see ``docs/reliability.md``). A different model schema always raises, at setup.
+    """
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "tiers": "settings.tiers",
+        "widths": "settings.widths",
+        "mode": "settings.mode",
+        "tier_weights": "settings.tier_weights",
+        "helper_fraction": "settings.helper_fraction",
+        "helper_redraw_every": "settings.helper_redraw_every",
+        "helper_seed": "settings.helper_seed",
+        "slice_weights": "settings.slice_weights",
+        "compression": "settings.replication.kept_fraction",
+        "demo_options": "settings.replication",  # its chunk, values and index_bits are fields there
+        "log_tier_losses": "settings.log_tier_losses",
+        "on_bad_payload": "settings.on_bad_payload",
+    }
+    """Adapter keywords of 0.1 -> where they are set now (an old key raises ``RenamedSettingError``)."""
+
+    tiers: list[TierEntry] | None = None
+    widths: list[TierEntry] | None = None
+    mode: AggregationMode = "mean"
+    tier_weights: list[float] | None = None
+    helper_fraction: float = 0.0
+    helper_redraw_every: int = 16
+    helper_seed: int = 0
+    slice_weights: bool = True
+    replication: ReplicationSettings | None = None
+    log_tier_losses: bool = False
+    on_bad_payload: Literal["raise", "drop"] = "raise"
+
+    def __post_init__(self) -> None:
+        if self.tiers is not None and self.widths is not None:
+            raise ValueError(
+                f"{_OWNER}.tiers={self.tiers!r} and {_OWNER}.widths={self.widths!r}: give one of them, not both "
+                "(widths are tiers in FFN units)."
+            )
+        given = self.tiers if self.tiers is not None else self.widths
+        entries = None if given is None else _check_entries(self.unit, given)
+        if self.unit == "tier" and entries is not None and any(as_list(entries[0])):
+            raise ValueError(
+                f"{_OWNER}.tiers={list(entries)}: global rank 0 must be tier 0, because it holds the full model that "
+                "is checkpointed and exported. Put a tier-0 rank (or node) first, e.g. tiers=[0, 1, 2]."
+            )
+        if entries is not None:  # a normalised copy: the caller's list cannot change the settings afterwards
+            object.__setattr__(self, "tiers" if self.unit == "tier" else "widths", entries)
+        check_choice(_OWNER, "mode", self.mode, get_args(AggregationMode))
+        if self.tier_weights is not None:
+            object.__setattr__(self, "tier_weights", _check_tier_weights(self.tier_weights, self.unit, entries))
+        self._check_helpers()
+        self._check_replication()
+        for name in ("slice_weights", "log_tier_losses"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{_OWNER}.{name}={getattr(self, name)!r}: use true or false.")
+        check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def unit(self) -> Literal["tier", "width"]:
+        """What the entries count: ``"width"`` when ``widths`` is given, else ``"tier"``."""
+        return "width" if self.widths is not None else "tier"
+
+    @property
+    def entries(self) -> list[TierEntry] | None:
+        """The given ``tiers`` or ``widths`` (None: every rank tier 0)."""
+        given = self.tiers if self.tiers is not None else self.widths
+        return None if given is None else [list(e) if isinstance(e, list) else e for e in given]
+
+    @property
+    def uniform_tiers(self) -> list[int] | None:
+        """The distinct tiers trained, sorted, when every entry is one tier for all FFNs; None for widths or
+        per-FFN entries (which name no single tier). No ``tiers`` at all means every rank trains tier 0: ``[0]``."""
+        if self.widths is not None:
+            return None
+        if self.tiers is None:
+            return [0]
+        if any(not isinstance(entry, int) for entry in self.tiers):
+            return None
+        return sorted(set(self.tiers))  # type: ignore[arg-type]
+
+    @property
+    def kept_fraction(self) -> float:
+        """``mode="demo"``: the fraction of DCT coefficients kept per chunk."""
+        return (self.replication or ReplicationSettings()).kept_fraction
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def _check_helpers(self) -> None:
+        fraction = self.helper_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction):
+            raise ValueError(f"{_OWNER}.helper_fraction={fraction!r}: use a number >= 0 (0 turns helpers off).")
+        if fraction < 0:
+            raise ValueError(f"{_OWNER}.helper_fraction={fraction!r}: use a number >= 0 (0 turns helpers off).")
+        object.__setattr__(self, "helper_fraction", float(fraction))
+        if fraction > 0 and self.slice_weights:
+            raise ValueError(
+                f"{_OWNER}.helper_fraction={fraction!r} with slice_weights=True: a helper trains tail neurons beyond "
+                "its prefix, so it must keep the full weights; set slice_weights=False (or helper_fraction=0)."
+            )
+        if fraction > 0 and self.mode == "demo":
+            raise ValueError(
+                f"{_OWNER}.helper_fraction={fraction!r} with mode='demo': helpers send zeros for the tail neurons they"
+                " did not draw, which DeMo would encode into its error feedback. Set helper_fraction=0, or use"
+                " mode='mean' or 'sign' with helpers."
+            )
+        check_int(_OWNER, "helper_redraw_every", self.helper_redraw_every, minimum=1)
+        if isinstance(self.helper_seed, bool) or not isinstance(self.helper_seed, int):
+            raise ValueError(f"{_OWNER}.helper_seed={self.helper_seed!r}: use an int.")
+
+    def _check_replication(self) -> None:
+        replication = self.replication
+        if replication is None:
+            return
+        if not isinstance(replication, ReplicationSettings):
+            raise ValueError(
+                f"{_OWNER}.replication={replication!r}: use ReplicationSettings(kept_fraction=..., chunk=..., "
+                "values=..., index_bits=...) (in YAML: a mapping of those keys)."
+            )
+        if self.mode != "demo":
+            raise ValueError(
+                f"{_OWNER}.replication={replication!r} with mode={self.mode!r}: the replication settings only apply "
+                "to mode='demo'; remove replication or set mode='demo'."
+            )
+        if replication.kind not in (None, "demo"):
+            raise ValueError(
+                f"{_OWNER}.replication.kind={replication.kind!r}: MatFormer's demo mode sends the per-region mean "
+                "through the DeMo replicator only; set kind='demo' or leave it out."
+            )
+        if replication.combine != "mean":
+            raise ValueError(
+                f"{_OWNER}.replication.combine={replication.combine!r}: the per-region exchange needs the plain mean "
+                "of the members' payloads (weights are applied around it); leave combine at 'mean'."
+            )
+
+
+# ---------------------------------------------------------------------------------------------------- entries
+def as_list(entry: Any) -> list[Any]:
+    """An entry as a list of per-FFN values (an int stands for the same value in every FFN)."""
+    return [entry] if isinstance(entry, int) else list(entry)
+
+
+def _check_entries(unit: str, entries: Any) -> list[TierEntry]:
+    name, low = ("tiers", 0) if unit == "tier" else ("widths", 1)
+    if isinstance(entries, (int, str)) or not isinstance(entries, Sequence) or not entries:
+        raise ValueError(
+            f"{_OWNER}.{name}={entries!r}: give a non-empty list, one entry per rank or per node (or None)."
+        )
+    out: list[TierEntry] = []
+    for index, entry in enumerate(entries):
+        values = [entry] if not isinstance(entry, Sequence) or isinstance(entry, str) else list(entry)
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+            raise ValueError(
+                f"{_OWNER}.{name}={list(entries)}: entry {index} ({entry!r}) must be an int >= {low} or a non-empty "
+                f"list of such ints (one per FFN)."
+            )
+        out.append(values[0] if isinstance(entry, int) else values)
+    return out
+
+
+def _check_tier_weights(weights: Any, unit: str, entries: Sequence[TierEntry] | None) -> list[float]:
+    if isinstance(weights, (str, Mapping)) or not isinstance(weights, Sequence) or not weights:
+        raise ValueError(
+            f"{_OWNER}.tier_weights={weights!r}: give a list with one weight per tier (index = tier), or None."
+        )
+    values = []
+    for tier, weight in enumerate(weights):
+        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not (number and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{_OWNER}.tier_weights={list(weights)}: weight {tier} must be finite and > 0.")
+        values.append(float(weight))
+    if unit == "tier" and entries is not None:
+        highest = max(max(as_list(entry)) for entry in entries)
+        if highest >= len(values):
+            raise ValueError(
+                f"{_OWNER}.tier_weights={values}: {len(values)} weight(s) for tiers 0..{len(values) - 1}, but tiers "
+                f"uses tier {highest}; give one weight per tier 0..{highest}."
+            )
+    return values
+
+
+def expand_entries(owner: str, settings: MatFormerSettings, world_size: int, num_nodes: int) -> list[TierEntry]:
+    """One entry per global rank: given per rank, or per node (node ``k`` holds ranks ``[kP, (k+1)P)``).
+
+    Raises:
+        ValueError: The number of entries fits neither the ranks nor the nodes of the launch.
+    """
+    entries = settings.entries
+    if entries is None:
+        return [0] * world_size
+    if len(entries) == world_size:
+        return entries
+    if num_nodes >= 1 and len(entries) == num_nodes and world_size % num_nodes == 0:
+        per_node = world_size // num_nodes
+        return [entry for entry in entries for _ in range(per_node)]
+    name = "tiers" if settings.unit == "tier" else "widths"
+    raise ValueError(
+        f"{owner}: settings.{name}={entries} has {len(entries)} entries, but the run has "
+        f"{world_size} ranks ({num_nodes} node(s) x {world_size // max(num_nodes, 1)} devices). Give one entry "
+        f"per global rank ({world_size}) or one per node ({num_nodes})."
+    )
