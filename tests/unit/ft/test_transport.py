@@ -41,8 +41,8 @@ def _no_pickle(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a recovery unpickled peer bytes")
 
-    monkeypatch.setattr(pickle, "loads", refuse)
-    monkeypatch.setattr(pickle, "load", refuse)
+    for name in ("loads", "load", "Unpickler"):  # torch's streaming load unpickles through pickle.Unpickler
+        monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(torch, "load", refuse)
 
 
