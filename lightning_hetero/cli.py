@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 import lightning_hetero  # noqa: F401  (registers strategy names)
 import lightning_hetero.callbacks  # noqa: F401  (short names for callbacks in YAML)
@@ -96,6 +97,33 @@ class HeteroArgumentParser(LightningArgumentParser):
         super().error(message, ex)
 
 
+# What a settings class' __post_init__ raises: "<Name>Settings.<field>=<value>: <fix>".
+_SETTINGS_ERROR = re.compile(r"\b\w+Settings\.\w+=")
+
+
+class HeteroCLI(LightningCLI):
+    """LightningCLI whose invalid strategy settings are reported like any other bad argument (usage, exit code 2).
+
+    jsonargparse checks each settings field's type while parsing; the settings' own rules (ranges, fields that do
+    not apply to a kind) run when the dataclass is built, in :meth:`instantiate_classes`: before any training.
+    """
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            if not _SETTINGS_ERROR.search(str(error)):
+                raise
+            self.parser.error(_settings_error_lines(str(error)), error)
+
+
+def _settings_error_lines(message: str) -> str:
+    """The lines of a jsonargparse union error that name a settings field (all of it when none does)."""
+    lines = [line.strip(" -") for line in message.splitlines() if _SETTINGS_ERROR.search(line)]
+    return "\n".join(lines) if lines else message
+
+
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """Build (and by default run) the CLI.
 
@@ -106,7 +134,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         args: Command-line arguments (a list like ``["fit", "--config", "x.yaml"]``), a dict, or None for ``sys.argv``.
         run: If False, only parse and instantiate (``cli.trainer``, ``cli.model``, ``cli.datamodule``).
     """
-    return LightningCLI(
+    return HeteroCLI(
         LightningModule,
         None,  # as with no DataModule class: ``data`` is not required, and any LightningDataModule subclass is allowed
         subclass_mode_model=True,
