@@ -11,10 +11,10 @@ Steps (``all`` runs them in this order; each one merges its section into ``resul
   parameter, gradient, two AdamW moments). Reported: measured saving / analytic saving, in %.
 - ``finetune``: SmolLM2 fine-tuned on Shakespeare by 2 ranks. The same learning-rate grid for every method, searched
   on local ranks (the math does not depend on the link); then each method's best learning rate over 2 testbed nodes
-  at ``--bandwidth``: stock Lightning ``DDPStrategy`` and ``MatFormerStrategy(tiers=[0, 1])`` (mean; and DCT top-k
-  ``demo``). Validation loss before/after, wall-clock, inter-node bytes per step, per-rank compute time (tier 0 vs
-  tier 1 in the same run), and R = DDP's link time per step at the bandwidth / its compute time per step (from
-  measured wire bytes and a compute-only run).
+  at ``--bandwidth``: stock Lightning ``DDPStrategy`` and MatFormerStrategy with ``MatFormerSettings(tiers=[0, 1])``
+  (mean; and DCT top-k ``demo``). Validation loss before/after, wall-clock, inter-node bytes per step, per-rank
+  compute time (tier 0 vs tier 1 in the same run), and R = DDP's link time per step at the bandwidth / its compute
+  time per step (from measured wire bytes and a compute-only run).
 - ``table``: the seed's 4-rank tier-mix table at this size (short: tier-0/tier-1 validation loss after a few steps).
 
     python recipes/bench_matformer_smollm2.py all          # ~75 minutes on 2 CPU cores (root for the testbed)

@@ -61,11 +61,14 @@ def run_config(tiers: list[int], mode: str, steps: int, out: Path, val_every: in
         enable_progress_bar=False,
     )
     trainer["logger"]["init_args"]["save_dir"] = str(out)
-    strategy = trainer["strategy"]["init_args"]
+    settings = trainer["strategy"]["init_args"]["settings"]
     weights = balanced_tier_weights(tiers) if spec["weighted"] else None
-    strategy.update(tiers=tiers, mode=spec["mode"], tier_weights=weights)
-    # Evaluate both tiers even in the all-tier-0 run (tier 1 there is the untrained-for slice: reported, not compared).
+    settings.update(tiers=tiers, mode=spec["mode"], tier_weights=weights)
     trainer["callbacks"] = [cb for cb in trainer["callbacks"] if not cb["class_path"].endswith("TierExport")]
+    # Evaluate both tiers even in the all-tier-0 run (tier 1 there is the untrained-for slice: reported, not compared).
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("TierEvaluation"):
+            callback.setdefault("init_args", {})["tiers"] = [0, 1]
     config["model"]["init_args"]["warmup_steps"] = max(1, steps // 12)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"

@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True, help="the prepared full SmolLM2 checkpoint")
     parser.add_argument("--tiers", default="0", help="matformer: comma-separated tier of every rank")
     parser.add_argument("--mode", default="mean", help="matformer: mean, sign or demo")
-    parser.add_argument("--compression", type=float, default=None, help="matformer demo: fraction kept")
+    parser.add_argument("--kept-fraction", type=float, default=None, help="matformer demo: DCT coefficients kept")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
@@ -168,9 +168,12 @@ def main() -> None:
         strategy = DDPStrategy()
     else:
         from lightning_hetero import MatFormerStrategy
+        from lightning_hetero.matformer.settings import MatFormerSettings
+        from lightning_hetero.replication.settings import ReplicationSettings
 
         tiers = [int(t) for t in args.tiers.split(",")]
-        strategy = MatFormerStrategy(tiers=tiers, mode=args.mode, compression=args.compression)
+        kept = None if args.kept_fraction is None else ReplicationSettings(kept_fraction=args.kept_fraction)
+        strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=tiers, mode=args.mode, replication=kept))
     clock = StepClock(wire=args.wire_counters)
     trainer = L.Trainer(
         accelerator="cpu",

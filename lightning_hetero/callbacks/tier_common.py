@@ -67,12 +67,12 @@ def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> lis
     """The tiers a callback works on: ``given``, or the ones the run trains, so that a YAML writes them once.
 
     Under ``MatFormerStrategy``: its ``settings.tiers`` (the distinct tiers, sorted; no tiers at all means ``[0]``);
-    ``given`` tiers must be the same set. Under another strategy: ``given``, else the tiers of a ``MatFormerSampler``
-    among the callbacks.
+    ``given`` tiers must include every one of them (and may add more). Under another strategy: ``given``, else the
+    tiers of a ``MatFormerSampler`` among the callbacks.
 
     Raises:
-        ValueError: ``given`` differs from the strategy's tiers; or no tiers are given and the run names none (another
-            strategy without a sampler, or a MatFormer strategy with ``widths`` or per-FFN tiers).
+        ValueError: ``given`` leaves out a tier the strategy trains; or no tiers are given and the run names none
+            (another strategy without a sampler, or a MatFormer strategy with ``widths`` or per-FFN tiers).
     """
     settings = getattr(trainer.strategy, "settings", None)
     if isinstance(settings, MatFormerSettings):
@@ -85,11 +85,14 @@ def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> lis
                 f"{owner}: the strategy's MatFormerSettings.{which} gives some rank per-FFN tiers or widths, which "
                 f"name no single tier to evaluate or export; pass {owner}(tiers=[...]), e.g. tiers=[0, 1]."
             )
-        if given is not None and sorted(set(given)) != trained:
+        missing = [tier for tier in trained if given is not None and tier not in given]
+        if missing:
+            # Extra tiers are fine (rank 0 holds the full model, so it runs any tier, e.g. an untrained-for
+            # reference slice); leaving out a trained tier is what a tier list edited in one place only looks like.
             raise ValueError(
-                f"{owner}(tiers={list(given)}) differs from the tiers the strategy trains (MatFormerSettings.tiers="
-                f"{settings.tiers}, i.e. tiers {trained}); leave {owner}'s tiers out to use the strategy's, or give "
-                "the same tiers."
+                f"{owner}(tiers={given}) differs from the tiers the strategy trains (MatFormerSettings.tiers="
+                f"{settings.tiers}, i.e. tiers {trained}): it leaves out tier(s) {missing}. Leave {owner}'s tiers out "
+                "to use the strategy's, or include every tier the strategy trains."
             )
         return list(given) if given is not None else trained
     if given is not None:

@@ -63,7 +63,7 @@ class TierEvaluation(Callback):
 
     Args:
         tiers: Tiers to evaluate. None: the tiers the run trains, read at setup: ``MatFormerStrategy``'s
-            ``settings.tiers`` (given tiers must equal them there), else a ``MatFormerSampler``'s tiers (with neither,
+            ``settings.tiers`` (given tiers must include them there), else a ``MatFormerSampler``'s tiers (with neither,
             pass them). The tiers used are in ``resolved_tiers``.
         limit_batches: Evaluate at most this many batches per tier (None: as many as Lightning's validation loop).
         metric: Name ``validation_step`` logs (or returns in a dict) to evaluate per tier. None: the loss it returns,

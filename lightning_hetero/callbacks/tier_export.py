@@ -37,7 +37,7 @@ class TierExport(Callback):
     Args:
         dirpath: Output root; ``tier{t}`` subdirectories are created (files in them are overwritten).
         tiers: Tiers to export. None: the tiers the run trains, read at setup: ``MatFormerStrategy``'s
-            ``settings.tiers`` (given tiers must equal them there), else a ``MatFormerSampler``'s tiers (with neither,
+            ``settings.tiers`` (given tiers must include them there), else a ``MatFormerSampler``'s tiers (with neither,
             pass them). The tiers used are in ``resolved_tiers``.
         save_tokenizer: Also save ``trainer.datamodule.tokenizer`` (when present) into every tier directory.
     """

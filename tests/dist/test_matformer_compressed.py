@@ -31,6 +31,7 @@ from lightning_hetero.matformer.helper_ranks import HelperConfig
 from lightning_hetero.matformer.layout import widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.types import FFNParameter
+from lightning_hetero.replication.settings import ReplicationSettings
 from lightning_hetero.testing import run_distributed
 from tests.payload_rule import gather_outcome
 
@@ -171,12 +172,14 @@ def test_ledger_bytes_equal_the_demo_payload_formula(results):
         expected[rank] = sum(_slab_payload(shape, 1 / 8) for shape in shapes)
     param_shapes = {**OTHER_SHAPES, **FFN_SHAPES}
     layout = widths_for(TIERS, H)
-    assert demo_payload_bytes(layout, FFN, param_shapes, compression=1 / 8) == expected
+    assert (
+        demo_payload_bytes(layout, FFN, param_shapes, replication=ReplicationSettings(kept_fraction=1 / 8)) == expected
+    )
     for rank, out in enumerate(results):
         assert out["payload"] == [expected[rank]] * STEPS, rank
         assert out["calls"] == [[3, 3, 2, 1][rank]] * STEPS, rank  # one all-gather per multi-rank bucket
     assert expected[3] < expected[2] < expected[0] == expected[1]  # a tier-2 rank sends far fewer bytes
-    sent = demo_bytes_per_step(layout, FFN, param_shapes, compression=1 / 8)
+    sent = demo_bytes_per_step(layout, FFN, param_shapes, replication=ReplicationSettings(kept_fraction=1 / 8))
     assert sent[3] == 3 * expected[3]  # (n - 1) x payload: rank 3 is only in the 4-rank bucket
 
 

@@ -21,9 +21,13 @@ from lightning_hetero import MatFormerStrategy
 from lightning_hetero.fabric import MatFormerStrategy as FabricMatFormerStrategy
 from lightning_hetero.matformer import find_ffns
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY
+from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.models import CausalLMModule
+from lightning_hetero.replication.settings import ReplicationSettings
 from tests.fixtures import TinyLlama, TokenData, fit_ranks
 from tests.token_data import TINY_LLAMA, progressions
+
+DEMO_QUARTER = MatFormerSettings(tiers=[0, 1], mode="demo", replication=ReplicationSettings(kept_fraction=0.25))
 
 CLIP = 0.5
 
@@ -75,7 +79,7 @@ def _fit(
 def tiered_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Tiers [0, 1] for 8 uninterrupted steps, with norm clipping (active: the norms exceed 0.5) and tier losses."""
     out = tmp_path_factory.mktemp("tiered")
-    strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn", log_tier_losses=True)
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1], log_tier_losses=True), start_method="spawn")
     return _fit(out, TinyLlama(), strategy, max_steps=8, gradient_clip_val=CLIP)
 
 
@@ -105,9 +109,9 @@ def test_tiers_train_both_and_tier1_holds_half_the_ffn(tiered_run):
 @pytest.mark.timeout(180)
 def test_resume_is_bit_identical_on_every_rank(tiered_run, tmp_path):
     checkpoint = tmp_path / "step4.ckpt"
-    strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn")
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]), start_method="spawn")
     _fit(tmp_path / "first", TinyLlama(), strategy, 4, checkpoint=checkpoint, gradient_clip_val=CLIP)
-    strategy = MatFormerStrategy(tiers=[0, 1], start_method="spawn")
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]), start_method="spawn")
     resumed = _fit(tmp_path / "resumed", TinyLlama(), strategy, 8, ckpt_path=checkpoint, gradient_clip_val=CLIP)
     for rank, (straight, again) in enumerate(zip(tiered_run, resumed, strict=True)):
         assert again["losses"] == straight["losses"][4:], rank
@@ -122,11 +126,11 @@ def test_resume_is_bit_identical_on_every_rank(tiered_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_demo_mode_trains_both_tiers_and_resumes_bit_identically(tmp_path):
-    """mode="demo" at compression 1/4: both tiers learn, shared weights stay identical, and the checkpoint carries
-    every rank's error-feedback buffers, so resuming replays the straight run bit for bit."""
+    """mode="demo" keeping 1/4 of the DCT coefficients: both tiers learn, shared weights stay identical, and the
+    checkpoint carries every rank's error-feedback buffers, so resuming replays the straight run bit for bit."""
 
     def strategy() -> MatFormerStrategy:
-        return MatFormerStrategy(tiers=[0, 1], mode="demo", compression=0.25, start_method="spawn")
+        return MatFormerStrategy(settings=DEMO_QUARTER, start_method="spawn")
 
     straight = _fit(tmp_path / "straight", TinyLlama(), strategy(), 8, gradient_clip_val=CLIP)
     for record in straight:
@@ -153,9 +157,8 @@ def test_demo_mode_trains_both_tiers_and_resumes_bit_identically(tmp_path):
 def test_helpers_on_full_weights_keep_every_replica_identical(tmp_path):
     """slice_weights=False with helpers: tier 1 trains its prefix plus a rotating draw of tail neurons through the
     activation mask, and joins the tail's exchange, so both ranks stay bit-identical copies of one full model."""
-    strategy = MatFormerStrategy(
-        tiers=[0, 1], slice_weights=False, helper_fraction=0.5, helper_redraw_every=2, start_method="spawn"
-    )
+    settings = MatFormerSettings(tiers=[0, 1], slice_weights=False, helper_fraction=0.5, helper_redraw_every=2)
+    strategy = MatFormerStrategy(settings=settings, start_method="spawn")
     tier0, tier1 = _fit(tmp_path, TinyLlama(), strategy, max_steps=6, gradient_clip_val=CLIP)
     assert (tier0["tier"], tier1["tier"], tier1["ffn_width"]) == (0, 1, 64)  # full-size weights on tier 1
     assert tier0["losses"] != tier1["losses"]  # tier 1 ran its own (masked) forward
@@ -185,7 +188,12 @@ def test_all_tier0_equals_ddp_on_the_reference_module(tmp_path):
 def test_schema_mismatch_names_ranks_and_fields(tmp_path):
     module = TinyLlama(hidden_size_by_rank={0: 32, 1: 48})
     with pytest.raises(Exception, match=r"(?s)rank\(s\) 1 differs from rank 0.*hidden_size: 48 \(rank 1\) != 32"):
-        _fit(tmp_path, module, MatFormerStrategy(tiers=[0, 1], start_method="spawn"), max_steps=2)
+        _fit(
+            tmp_path,
+            module,
+            MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]), start_method="spawn"),
+            max_steps=2,
+        )
 
 
 def _fabric_train(fabric: Fabric, out: Path) -> None:
@@ -226,9 +234,9 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [{}, {"mode": "demo", "compression": 0.25}], ids=["mean", "demo"])
-def test_fabric_tiers_train_both_and_resume(tmp_path, options):
-    strategy = FabricMatFormerStrategy(tiers=[0, 1], start_method="spawn", **options)
+@pytest.mark.parametrize("settings", [MatFormerSettings(tiers=[0, 1]), DEMO_QUARTER], ids=["mean", "demo"])
+def test_fabric_tiers_train_both_and_resume(tmp_path, settings):
+    strategy = FabricMatFormerStrategy(settings=settings, start_method="spawn")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_fabric_train, tmp_path)
     tier0, tier1 = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2))

@@ -53,7 +53,8 @@ MATFORMER = """\
   strategy:
     class_path: MatFormerStrategy
     init_args:
-      tiers: [0, 1]            # rank 1 trains the half-width FFNs
+      settings:
+        tiers: [0, 1]          # rank 1 trains the half-width FFNs
 """
 
 # name: (module class, the YAML's strategy section, the training-loss key, a metric only that strategy logs,

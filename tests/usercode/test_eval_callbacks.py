@@ -68,6 +68,7 @@ class _TierCheck(Callback):
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     """Two fits on this rank: ValidationReport under DDP, then TierEvaluation under MatFormerStrategy."""
     from lightning_hetero import MatFormerStrategy
+    from lightning_hetero.matformer.settings import MatFormerSettings
 
     result: dict[str, Any] = {}
     report = ValidationReport(limit_batches=2)
@@ -78,11 +79,11 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     trainer.fit(module)
     result["report"] = (report.before, report.after, _mean_loss(module, _first(module.val_dataloader(), 2)))
 
-    evaluation = TierEvaluation(tiers=[0, 1], limit_batches=2)
+    evaluation = TierEvaluation(limit_batches=2)  # the tiers come from the strategy
     check = _TierCheck([0, 1], limit=2)
     trainer = L.Trainer(
         devices=world_size,
-        strategy=MatFormerStrategy(tiers=[0, 1]),
+        strategy=MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1])),
         max_steps=2,
         limit_val_batches=2,
         val_check_interval=2,

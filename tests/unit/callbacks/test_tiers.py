@@ -510,18 +510,24 @@ def test_callbacks_without_tiers_read_the_matformer_strategys_tiers(factory, set
 
 @pytest.mark.parametrize(
     ("factory", "owner"),
-    [
-        (lambda: TierEvaluation(tiers=[0, 1, 2]), "TierEvaluation"),
-        (lambda: TierExport("x", tiers=[0, 1, 2]), "TierExport"),
-    ],
+    [(lambda: TierEvaluation(tiers=[0, 1]), "TierEvaluation"), (lambda: TierExport("x", tiers=[1, 0]), "TierExport")],
 )
-def test_callback_tiers_that_differ_from_the_strategys_fail_naming_both(factory, owner):
+def test_callback_tiers_that_leave_out_a_trained_tier_fail_naming_both(factory, owner):
     trainer = _matformer_trainer([factory()], MatFormerSettings(tiers=[0, 2]))
-    with pytest.raises(ValueError, match=rf"{owner}\(tiers=\[0, 1, 2\]\).*MatFormerSettings.tiers=\[0, 2\]"):
+    with pytest.raises(
+        ValueError, match=rf"{owner}\(tiers=\[[01], [01]\]\).*MatFormerSettings.tiers=\[0, 2\].*tier\(s\) \[2\]"
+    ):
         trainer.callbacks[0].setup(trainer, _module(), "fit")
+
+
+def test_callback_tiers_may_add_tiers_to_the_strategys():
     same = TierEvaluation(tiers=[2, 0])  # the same tiers in another order are the same tiers
     same.setup(_matformer_trainer([same], MatFormerSettings(tiers=[0, 2])), _module(), "fit")
     assert same.resolved_tiers == [2, 0]
+    # An all-tier-0 run evaluated at tier 1 too: the untrained-for half-width slice, as a reference.
+    reference = TierEvaluation(tiers=[0, 1])
+    reference.setup(_matformer_trainer([reference], MatFormerSettings(tiers=[0, 0])), _module(), "fit")
+    assert reference.resolved_tiers == [0, 1]
 
 
 @pytest.mark.parametrize(

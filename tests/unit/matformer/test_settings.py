@@ -184,7 +184,20 @@ def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch):
         ("        mode: demo\n        replication: {kept_fraction: 1.5}", "ReplicationSettings.kept_fraction=1.5"),
     ],
 )
-def test_an_invalid_yaml_value_fails_before_training_naming_the_field(tmp_path, monkeypatch, settings, named):
+def test_an_invalid_yaml_value_fails_before_training_naming_the_field(tmp_path, monkeypatch, capsys, settings, named):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=re.escape(named)):  # raised while LightningCLI builds the strategy
+    with pytest.raises(SystemExit):  # while LightningCLI builds the strategy, like any bad argument
         _cli(tmp_path, settings)
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("tiers: [0, 1]", "settings.tiers"), ("compression: 0.25", "settings.replication.kept_fraction")]
+)
+def test_a_0_1_key_under_init_args_fails_naming_the_new_key(tmp_path, monkeypatch, capsys, old, new):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(_YAML.replace("      settings:\n{settings}\n", f"      {old}\n"))
+    with pytest.raises(SystemExit):
+        build_cli(["--config", str(config)], run=False)
+    assert f"-> '{new}'" in capsys.readouterr().err
