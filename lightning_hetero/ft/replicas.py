@@ -25,6 +25,8 @@ the replicator's ``num_replicas`` set to this step's participant count so its av
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import random
 import socket
@@ -266,6 +268,42 @@ class FaultTolerantReplica:
         replicator.stats["buckets"] += 1
         replicator.stats["payload_bytes"] += buffer.numel() * buffer.element_size()
         return Bucket(pieces, kind, buffer, output, _Done(), 0.0, early, offsets)
+
+    def manage(self, replicator: Replicator) -> None:
+        """Route ``replicator``'s collectives through the Manager (:meth:`launch`) instead of its process group.
+
+        An instance-level ``launch``: the replicator and the optimizer that owns it stay unchanged, and its
+        ``finish`` decodes the completed bucket as usual.
+        """
+        replicator.launch = functools.partial(self.launch, replicator)  # type: ignore[method-assign]
+
+    def step_optimizer(self) -> bool:
+        """Step :attr:`optimizer` and keep the step only if this replica may commit it; return whether it did.
+
+        For optimizers whose exchange happens inside ``step()`` (FlexDeMo's replicating optimizers, with
+        :meth:`manage`): the weights and the whole optimizer state (momenta, error feedback, replicator step) are
+        copied first and restored when :meth:`should_commit` says no, or when the step raises (a refused peer
+        payload). Costs one copy of the weights and the optimizer state per step; optimizers that exchange
+        gradients before ``step()`` should call :meth:`should_commit` first instead and skip the copy.
+        """
+        weights = [p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]]
+        state = copy.deepcopy(self.optimizer.state_dict())
+        try:
+            self.optimizer.step()
+            committed = self.should_commit()
+        except BaseException:
+            self._restore(weights, state)
+            raise
+        if not committed:
+            self._restore(weights, state)
+        return committed
+
+    def _restore(self, weights: list[torch.Tensor], state: dict[str, Any]) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for param, saved in zip(params, weights, strict=True):
+                param.copy_(saved)
+        self.optimizer.load_state_dict(state)
 
     def should_commit(self) -> bool:
         """Whether to apply this step (all participants healthy, at least ``min_replicas``); advances the step."""

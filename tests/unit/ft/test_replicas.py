@@ -6,6 +6,8 @@ others after its first step; replicators exchange through the Manager with the p
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import pickle
 import threading
 from collections.abc import Callable
@@ -130,3 +132,60 @@ def test_replicators_exchange_through_the_manager_over_the_participants(lighthou
     else:
         expected = reference.decode_reduced(piece, results[0]["wire"] + results[1]["wire"])
     torch.testing.assert_close(results[0]["combined"], expected)
+
+
+def _demo_train(address: str, name: str, seed: int, steps: int, min_replicas: int = 2, on_step=lambda s: None):
+    from lightning_hetero.flexdemo.optim import DeMoSGD
+
+    with _INIT:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, compression=0.25, chunk=4)
+    settings = dataclasses.replace(_settings(address, name), min_replicas=min_replicas)
+    replica = FaultTolerantReplica(settings, model=model, optimizer=optimizer, store_host="localhost")
+    replica.manage(optimizer.replicator)
+    history = []
+    try:
+        while replica.current_step() < steps and len(history) < 3 * steps:
+            replica.start_step()
+            batch = torch.Generator().manual_seed(1000 * replica.current_step() + seed)
+            model(torch.randn(16, 8, generator=batch)).square().mean().backward()
+            before = ([p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict()))
+            committed = replica.step_optimizer()
+            history.append((committed, replica.num_participants(), before, optimizer.replicator.num_replicas))
+            optimizer.zero_grad()
+            on_step(replica.current_step())
+        return {"params": [p.detach().clone() for p in model.parameters()], "history": history, "opt": optimizer}
+    finally:
+        replica.shutdown()
+
+
+def test_demo_through_the_manager_heals_a_late_replica_bit_identical(lighthouse):
+    started = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_demo_train, lighthouse, "d0", 0, 8, 2, lambda step: step >= 3 and started.set())
+        second = pool.submit(_demo_train, lighthouse, "d1", 1, 8)
+        assert started.wait(120)
+        late = pool.submit(_demo_train, lighthouse, "d2", 2, 8)
+        results = [first.result(), second.result(), late.result()]
+    for other in results[1:]:
+        for mine, theirs in zip(other["params"], results[0]["params"], strict=True):
+            assert torch.equal(mine, theirs)
+    assert {n for ok, n, _, _ in results[0]["history"] if ok} == {2, 3}
+    assert all(n == replicas for _, n, _, replicas in results[0]["history"])  # DeMo's mean is over the present
+    assert results[2]["opt"].replicator.step == results[0]["opt"].replicator.step  # the replicator state was healed
+
+
+def test_an_uncommitted_demo_step_leaves_weights_and_state_untouched(lighthouse):
+    # min_replicas=3 with 2 replica groups: the quorum forms, every step runs, none may commit.
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda seed: _demo_train(lighthouse, f"g{seed}", seed, 1, min_replicas=3), (0, 1)))
+    for result in results:
+        history, optimizer = result["history"], result["opt"]
+        assert len(history) == 3 and not any(ok for ok, *_ in history)
+        weights, state = history[-1][2]
+        for mine, saved in zip(result["params"], weights, strict=True):
+            assert torch.equal(mine, saved)
+        assert optimizer.replicator.step == 0 and state["replicator"]["step"] == 0
+        for key, entry in optimizer.state_dict()["state"].items():
+            assert torch.equal(entry["delta"], state["state"][key]["delta"])  # momentum + error feedback restored
