@@ -8,9 +8,9 @@ are recorded; rank 0 writes a JSON summary to ``--out``.
     python recipes/bench_worker.py --strategy single --steps 12 --out /tmp/single.json
 
 With ``--val-every N`` the validation loss (``--val-batches`` batches of rank 0's validation shard) is recorded every
-``N`` steps; validation time is not part of the step times. FlexDeMo options beyond the replicator, compression and
-values (``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--outer-compression``) go to
-``replicator_options``;
+``N`` steps; validation time is not part of the step times. The FlexDeMo flags (``--replicator``, ``--compression``,
+``--values``, ``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--outer-compression``) become the
+strategy's ``FlexDeMoSettings.replication`` (``Variant.replication_settings`` in ``recipes/flexdemo_variants.py``);
 ``--no-error-feedback`` hands the strategy a ``DecoupledAdamW`` whose replicator drops what it does not send
 (``recipes/flexdemo_variants.py``).
 """
@@ -181,7 +181,7 @@ def main() -> None:
     elif args.strategy == "ddp":
         module, strategy = CausalLMModule(**options), DDPStrategy()
     elif args.strategy == "flexdemo":
-        from lightning_hetero import FlexDeMoStrategy
+        from lightning_hetero import FlexDeMoSettings, FlexDeMoStrategy
 
         variant = Variant(
             name="worker",
@@ -199,9 +199,7 @@ def main() -> None:
         module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
         if not variant.error_feedback:
             module.replicator_factory = lambda: build_variant_replicator(variant)
-        strategy = FlexDeMoStrategy(
-            replicator=args.replicator, compression=args.compression, replicator_options=variant.replicator_options()
-        )
+        strategy = FlexDeMoStrategy(settings=FlexDeMoSettings(replication=variant.replication_settings()))
     else:
         module = HSDPCausalLM(**options)
         strategy = HSDPStrategy(data_parallel_size=num_nodes, tensor_parallel_size=ranks_per_node)

@@ -13,7 +13,7 @@ import json
 
 import lightning as L
 
-from lightning_hetero import FlexDeMoStrategy
+from lightning_hetero import FlexDeMoSettings, FlexDeMoStrategy, ReplicationSettings
 from tests.usercode.usernets import UserLlama
 
 STEPS = 10
@@ -50,8 +50,12 @@ def last_loss(strategy_factory) -> float:
 
 def main() -> None:
     variants = {
-        "flexdemo_demo": lambda: FlexDeMoStrategy(replicator="demo"),
-        "flexdemo_full": lambda: FlexDeMoStrategy(replicator="full"),
+        "flexdemo_demo": lambda: FlexDeMoStrategy(
+            settings=FlexDeMoSettings(replication=ReplicationSettings(kind="demo"))
+        ),
+        "flexdemo_full": lambda: FlexDeMoStrategy(
+            settings=FlexDeMoSettings(replication=ReplicationSettings(kind="full"))
+        ),
         "no_flexdemo": lambda: "auto",
     }
     print(json.dumps({"steps": STEPS, "loss_at_last_step": {name: last_loss(f) for name, f in variants.items()}}))

@@ -95,6 +95,20 @@ class Variant:
         options |= {"outer_compression": self.outer_compression}
         return {key: value for key, value in options.items() if value is not None}
 
+    def replication_settings(self) -> Any:
+        """The strategy's :class:`~lightning_hetero.replication.ReplicationSettings` of this FlexDeMo variant."""
+        from lightning_hetero.replication import ReplicationSettings
+
+        if self.baseline:
+            raise ValueError(f"variant {self.name!r} is a stock baseline and has no replicator")
+        fields: dict[str, Any] = {"kind": self.replicator, "values": self.values}
+        if self.periodic:  # DiLoCo: its period (h<H>, or 1/N meaning H = N) and DeMo + DiLoCo's delta compression
+            fields |= {"sync_every": self.period, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+            fields |= {"outer_kept_fraction": self.outer_compression, "outer_chunk": self.chunk}
+        elif self.replicator != "full":
+            fields |= {"kept_fraction": self.compression, "chunk": self.chunk}
+        return ReplicationSettings(**{key: value for key, value in fields.items() if value is not None})
+
     def worker_args(self) -> list[str]:
         """The ``recipes/bench_worker.py`` arguments of this variant."""
         if self.baseline:

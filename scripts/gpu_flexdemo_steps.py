@@ -54,9 +54,10 @@ def run(strategy_name: str, args: argparse.Namespace) -> dict[str, Any]:
     data = DataLoader(RandomTokens(args.steps * args.batch_size, args.seq_len, vocab_size), batch_size=args.batch_size)
     strategy: Any = "auto"
     if strategy_name == "flexdemo":
-        from lightning_hetero import FlexDeMoStrategy
+        from lightning_hetero import FlexDeMoSettings, FlexDeMoStrategy, ReplicationSettings
 
-        strategy = FlexDeMoStrategy(replicator="demo", compression=args.compression)
+        replication = ReplicationSettings(kind="demo", kept_fraction=args.compression)
+        strategy = FlexDeMoStrategy(settings=FlexDeMoSettings(replication=replication))
     recorder = StepRecorder(read_wire=False)
     trainer = L.Trainer(
         accelerator=args.accelerator,

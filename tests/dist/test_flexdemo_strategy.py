@@ -30,19 +30,23 @@ from lightning_hetero import comm
 from lightning_hetero.core.drift import ReplicaDriftError
 from lightning_hetero.flexdemo.checkpoint import load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.flexdemo.sharding import local_tensor
+from lightning_hetero.replication import ReplicationSettings
 from lightning_hetero.testing import run_distributed
 from tests.token_data import TINY_LLAMA, VOCAB
 
 CONFIG = {**TINY_LLAMA, "tie_word_embeddings": False}
 REPLICATORS = {
-    "demo": {"chunk": 8, "values": "bf16"},
-    "random": {},
-    "striding": {},
-    "diloco": {"sync_every": 4},  # 20 steps end on a synchronisation
-    "full": {},
-    "topk": {"chunk": 8, "values": "sign"},
+    "demo": ReplicationSettings(kind="demo", kept_fraction=1 / 8, chunk=8, values="bf16"),
+    "random": ReplicationSettings(kind="random", kept_fraction=1 / 8),
+    "striding": ReplicationSettings(kind="striding", kept_fraction=1 / 8),
+    "diloco": ReplicationSettings(kind="diloco", sync_every=4),  # 20 steps end on a synchronisation
+    "full": ReplicationSettings(kind="full"),
+    "topk": ReplicationSettings(kind="topk", kept_fraction=1 / 8, chunk=8, values="sign"),
 }
+FULL = REPLICATORS["full"]
+DEMO_1_32 = ReplicationSettings(kind="demo", chunk=8, values="bf16")  # demo at the default kept fraction
 
 
 def _model() -> LlamaForCausalLM:
@@ -57,7 +61,7 @@ def _batch(rank: int, step: int, rows: int = 2) -> dict[str, torch.Tensor]:
 
 
 def _runtime(model: torch.nn.Module, optimizer: Any, **kwargs: Any) -> tuple[FlexDeMoRuntime, Any]:
-    runtime = FlexDeMoRuntime(**kwargs)
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(**kwargs))
     runtime.resolve_world(4, 2)
     runtime.setup_module(model, torch.device("cpu"))
     return runtime, runtime.prepare_optimizer(optimizer(model.parameters()))
@@ -96,7 +100,7 @@ def _parity(rank: int) -> float:
         fully_shard(layer, mesh=mesh)
     fully_shard(reference, mesh=mesh)
     reference_optimizer = _adamw(reference.parameters())
-    runtime, optimizer = _runtime(ours, _adamw, replicator="full")
+    runtime, optimizer = _runtime(ours, _adamw, replication=FULL)
     assert type(optimizer).__name__ == "DecoupledAdamW"
     for step in range(10):
         reference(**_batch(rank, step)).loss.backward()
@@ -111,7 +115,7 @@ def _parity(rank: int) -> float:
 
 def _replicator_run(rank: int, name: str) -> dict[str, Any]:
     model = _model()
-    runtime, optimizer = _runtime(model, _sgd, replicator=name, compression=1 / 8, replicator_options=REPLICATORS[name])
+    runtime, optimizer = _runtime(model, _sgd, replication=REPLICATORS[name])
     shapes = [local_tensor(p).shape for group in optimizer.param_groups for p in group["params"]]
     measured, expected = [], []
     for step in range(20):
@@ -127,9 +131,7 @@ def _replicator_run(rank: int, name: str) -> dict[str, Any]:
 def _resume(rank: int, name: str) -> bool:
     def fresh() -> tuple[torch.nn.Module, FlexDeMoRuntime, Any]:
         model = _model()
-        runtime, optimizer = _runtime(
-            model, _sgd, replicator=name, compression=1 / 8, replicator_options=REPLICATORS[name]
-        )
+        runtime, optimizer = _runtime(model, _sgd, replication=REPLICATORS[name])
         return model, runtime, optimizer
 
     straight, runtime, optimizer = fresh()
@@ -153,8 +155,8 @@ def _resume(rank: int, name: str) -> bool:
 def _accumulation(rank: int) -> dict[str, Any]:
     """Two micro-batches of one row (no launch on the first) with activation checkpointing vs one batch of two."""
     big, accumulated = _model(), _model()
-    big_runtime, big_optimizer = _runtime(big, _adamw, replicator="full")
-    runtime, optimizer = _runtime(accumulated, _adamw, replicator="full", activation_checkpointing=True)
+    big_runtime, big_optimizer = _runtime(big, _adamw, replication=FULL)
+    runtime, optimizer = _runtime(accumulated, _adamw, replication=FULL, activation_checkpointing=True)
     launched = []
     for step in range(3):
         batch = _batch(rank, step)
@@ -179,7 +181,7 @@ def _accumulation(rank: int) -> dict[str, Any]:
 
 def _clipping(rank: int) -> dict[str, Any]:
     model = _model()
-    runtime, optimizer = _runtime(model, _adamw, replicator="full", overlap=False)
+    runtime, optimizer = _runtime(model, _adamw, replication=FULL, overlap=False)
     model(**_batch(rank, 0)).loss.backward()
     reference = torch.linalg.vector_norm(torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]))
     norm = runtime.clip_grad_norm_(model.parameters(), max_norm=0.1)
@@ -187,7 +189,7 @@ def _clipping(rank: int) -> dict[str, Any]:
     optimizer.zero_grad()
     # With overlap on, clipping after a backward that already launched must refuse.
     overlapped = _model()
-    overlapped_runtime, _ = _runtime(overlapped, _adamw, replicator="full")
+    overlapped_runtime, _ = _runtime(overlapped, _adamw, replication=FULL)
     overlapped(**_batch(rank, 0)).loss.backward()
     try:
         overlapped_runtime.clip_grad_norm_(overlapped.parameters(), max_norm=0.1)
@@ -199,7 +201,7 @@ def _clipping(rank: int) -> dict[str, Any]:
 
 def _drift(rank: int) -> str:
     model = _model()
-    runtime, optimizer = _runtime(model, _sgd, replicator="demo", replicator_options=REPLICATORS["demo"])
+    runtime, optimizer = _runtime(model, _sgd, replication=DEMO_1_32)
     _train(model, runtime, optimizer, rank, range(2))
     runtime.check_drift()  # fine so far
     if rank == 2:  # replica 1, shard position 0
@@ -213,7 +215,7 @@ def _drift(rank: int) -> str:
 
 def _degenerate(rank: int) -> dict[str, Any]:
     ddp_like = _model()
-    runtime = FlexDeMoRuntime(replicator="demo", shard_size=1, replicator_options=REPLICATORS["demo"])
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(replication=DEMO_1_32, shard_size=1))
     runtime.resolve_world(4, 2)
     runtime.setup_module(ddp_like, torch.device("cpu"))
     optimizer = runtime.prepare_optimizer(_sgd(ddp_like.parameters()))
@@ -221,7 +223,7 @@ def _degenerate(rank: int) -> dict[str, Any]:
     one_node = _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        node_runtime = FlexDeMoRuntime(replicator="demo", shard_size=4)
+        node_runtime = FlexDeMoRuntime(FlexDeMoSettings(replication=ReplicationSettings(kind="demo"), shard_size=4))
         node_runtime.resolve_world(4, 4)
         node_runtime.setup_module(one_node, torch.device("cpu"))
     node_optimizer = node_runtime.prepare_optimizer(_sgd(one_node.parameters()))
@@ -241,7 +243,7 @@ def _broadcast(rank: int) -> dict[str, torch.Tensor]:
     """Every rank initialises differently; after setup both replicas hold replica 0's shards."""
     torch.manual_seed(100 + rank)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    runtime = FlexDeMoRuntime(replicator="full")
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(replication=FULL))
     runtime.resolve_world(4, 2)
     runtime.setup_module(model, torch.device("cpu"))
     return _shards(model)
@@ -268,7 +270,7 @@ def _architectures(rank: int) -> dict[str, Any]:
         overrides = {"image_size": 32, "patch_size": 8, "num_labels": 2} if preset.startswith("vit") else {}
         torch.manual_seed(0)
         model = auto.from_config(build_config(preset, overrides))
-        runtime, optimizer = _runtime(model, _sgd, replicator="demo", replicator_options=REPLICATORS["demo"])
+        runtime, optimizer = _runtime(model, _sgd, replication=DEMO_1_32)
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()

@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero.flexdemo.checkpoint import META_FILE, rank_file
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.flexdemo.sharding import local_tensor
+from lightning_hetero.replication import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 from lightning_hetero.testing import run_distributed
@@ -28,6 +30,7 @@ from tests.token_data import TINY_LLAMA, progressions
 
 CONFIG = {**TINY_LLAMA, "tie_word_embeddings": False}
 WORLD = 4
+DEMO = ReplicationSettings(kind="demo")
 
 
 def _data(batches: int = 1) -> ValidatedTokenData:
@@ -90,7 +93,11 @@ def _same(first: Any, second: Any) -> bool:
 
 
 def _fabric_loop(out: Path) -> dict[str, Any]:
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=FabricFlexDeMoStrategy(replicator="demo", shard_size=2))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=FabricFlexDeMoStrategy(settings=FlexDeMoSettings(replication=DEMO, shard_size=2)),
+    )
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(LlamaForCausalLM(LlamaConfig(**CONFIG)))
@@ -131,7 +138,11 @@ def _worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     checkpoint = out / "step3.ckpt"
 
     def strategy() -> FlexDeMoStrategy:
-        return FlexDeMoStrategy(replicator="demo", compression=1 / 8, shard_size=2, drift_check_every=2)
+        return FlexDeMoStrategy(
+            settings=FlexDeMoSettings(
+                replication=ReplicationSettings(kind="demo", kept_fraction=1 / 8), shard_size=2, drift_check_every=2
+            )
+        )
 
     straight = _recorder()
     _fit(strategy(), 6, straight)
@@ -231,7 +242,9 @@ def test_spawned_two_rank_fit_returns_full_weights_to_the_main_process(tmp_path)
     """start_method="spawn" from the main process: one node of 2 FSDP2 shards; rank 0 hands back unsharded weights."""
     module = TinyLlama(step_schedule=True)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    strategy = FlexDeMoStrategy(replicator="full", start_method="spawn")
+    strategy = FlexDeMoStrategy(
+        settings=FlexDeMoSettings(replication=ReplicationSettings(kind="full")), start_method="spawn"
+    )
     trainer = quiet_trainer(
         devices=2, strategy=strategy, max_steps=6, limit_val_batches=0, callbacks=[Recorder(tmp_path, keep=())]
     )

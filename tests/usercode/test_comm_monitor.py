@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
-from lightning_hetero import FlexDeMoStrategy
+from lightning_hetero import FlexDeMoSettings, FlexDeMoStrategy, ReplicationSettings
 from lightning_hetero.callbacks import CommunicationMonitor
 from lightning_hetero.comm import INTER, INTRA, get_ledger
 from lightning_hetero.testing import run_distributed
@@ -35,6 +35,7 @@ from tests.usercode.usernets import UserLlama
 pytestmark = pytest.mark.timeout(600)
 
 STEPS = 3
+DEMO_1_8 = ReplicationSettings(kind="demo", kept_fraction=1 / 8)
 NOTE = "CommunicationMonitor counts"
 
 
@@ -121,8 +122,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "ddp": _fit(DDPStrategy()),
         "fsdp": _fit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), UserLlamaFSDP2),
-        "flexdemo": _fit(FlexDeMoStrategy(replicator="demo", compression=1 / 8, shard_size=1)),  # 2 replicas
-        "flexdemo_sharded": _fit(FlexDeMoStrategy(replicator="demo", compression=1 / 8, shard_size=2)),  # 1 replica
+        "flexdemo": _fit(FlexDeMoStrategy(settings=FlexDeMoSettings(replication=DEMO_1_8, shard_size=1))),  # 2 replicas
+        "flexdemo_sharded": _fit(
+            FlexDeMoStrategy(settings=FlexDeMoSettings(replication=DEMO_1_8, shard_size=2))
+        ),  # 1 replica
     }
 
 
