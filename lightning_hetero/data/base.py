@@ -282,18 +282,21 @@ def make_dataloader(
 class DatasetSplitsMixin:
     """Shared by our DataModules: ``train``/``validation`` datasets built in ``setup``, and their loaders.
 
-    Subclasses fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()`` and set ``batch_size``,
-    ``num_workers`` and ``seed``. There is no third split: the offline corpora are small, so ``test_dataloader()`` and
-    ``predict_dataloader()`` read the validation split and ``lightning-hetero test`` / ``predict`` evaluate the
-    held-out validation data (validation and test in a fixed seeded order, predict in
+    Subclasses call ``super().__init__()``, fill ``self._datasets = {"train": ..., "validation": ...}`` in ``setup()``
+    and set ``batch_size``, ``num_workers`` and ``seed``. There is no third split: the offline corpora are small, so
+    ``test_dataloader()`` and ``predict_dataloader()`` read the validation split and ``lightning-hetero test`` /
+    ``predict`` evaluate the held-out validation data (validation and test in a fixed seeded order, predict in
     storage order). Put the mixin before ``LightningDataModule`` in the bases.
     """
 
-    _datasets: dict[str, Any]
-    _stats: dict[str, Any]
     batch_size: int
     num_workers: int
     seed: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._datasets: dict[str, Any] = {}
+        self._stats: dict[str, Any] = {}
 
     def _load_cached_splits(self, directory: Path) -> None:
         """Load ``stats.json`` and the train/validation datasets that ``prepare_data`` saved in ``directory``."""

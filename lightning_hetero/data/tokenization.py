@@ -7,14 +7,15 @@ directory named by a content key of everything that shapes the tokenizer, writte
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lightning_hetero.data.base import atomic_directory, content_key
+from lightning_hetero.data.base import atomic_directory, content_key, hash_texts
 from lightning_hetero.utils.assets import require_module, resolve_path
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def train_unigram(texts: Iterable[str], vocab_size: int, pad: str, eos: str, unk
 
 
 def load_or_train_tokenizer(
-    directory: Path, train: Callable[[], Tokenizer], special_tokens: dict[str, str]
+    directory: Path, train: Callable[[], Tokenizer], special_tokens: Mapping[str, str]
 ) -> PreTrainedTokenizerFast:
     """Load the tokenizer cached in ``directory``, or call ``train`` once and cache its result there.
 
@@ -90,6 +91,36 @@ def load_or_train_tokenizer(
         with atomic_directory(directory) as staging:
             tokenizer.save_pretrained(staging)
     return PreTrainedTokenizerFast.from_pretrained(directory, **special_tokens)
+
+
+@dataclass(frozen=True)
+class TokenizerRecipe:
+    """How a DataModule trains its tokenizer; :func:`trained_tokenizer` caches the result."""
+
+    name: str
+    """Prefix of the cache entry, e.g. ``"bpe"`` (``<cache_root>/tokenizers/bpe-<key>``)."""
+    version: str
+    """Algorithm version, part of the cache key (e.g. :data:`BPE_ALGORITHM_VERSION`)."""
+    train: Callable[[list[str], int], Tokenizer]
+    """Builds the backend tokenizer from the training texts and the vocabulary size."""
+    special_tokens: Mapping[str, str]
+    """``PreTrainedTokenizerFast`` keyword arguments such as ``{"eos_token": "</s>"}``."""
+
+
+def trained_tokenizer(
+    recipe: TokenizerRecipe, texts: list[str], vocab_size: int, cache_root: Path
+) -> PreTrainedTokenizerFast:
+    """The tokenizer ``recipe`` trains on ``texts``, cached under ``cache_root/tokenizers``.
+
+    The entry is named ``<recipe.name>-<key>``, the key being a content key of the recipe version, the texts and
+    ``vocab_size``, so a change in any of them trains a new tokenizer and anything else reuses the cached one.
+    """
+    key = content_key(recipe.version, hash_texts(texts), vocab_size)
+    return load_or_train_tokenizer(
+        cache_root / "tokenizers" / f"{recipe.name}-{key}",
+        lambda: recipe.train(texts, vocab_size),
+        recipe.special_tokens,
+    )
 
 
 def load_pretrained_tokenizer(path: str, gguf_file: str | None, cache_root: Path) -> PreTrainedTokenizerFast:

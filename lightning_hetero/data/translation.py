@@ -13,7 +13,6 @@ batch by :class:`Seq2SeqCollator`.
 from __future__ import annotations
 
 import gettext
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -24,25 +23,20 @@ from typing import Any
 import lightning as L
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from lightning_hetero.data.base import (
-    atomic_directory,
     check_fraction,
     check_optional_positive_int,
     check_positive_int,
-    content_key,
     hash_texts,
-    quiet_datasets,
     resolve_cache_root,
     seeded_permutation,
 )
 from lightning_hetero.data.text import TokenizedSplitsMixin
 from lightning_hetero.data.tokenization import (
     UNIGRAM_ALGORITHM_VERSION,
-    load_or_train_tokenizer,
-    load_pretrained_tokenizer,
+    TokenizerRecipe,
     tokenizer_fingerprint,
     tokenizer_special_ids,
     train_unigram,
@@ -188,6 +182,14 @@ class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
             ``$LIGHTNING_HETERO_CACHE/data/translation`` (default ``~/.cache/lightning_hetero/data/translation``).
     """
 
+    tokenizer_recipe = TokenizerRecipe(
+        "unigram",
+        UNIGRAM_ALGORITHM_VERSION,
+        lambda texts, vocab_size: train_unigram(texts, vocab_size, pad=PAD, eos=EOS, unk=UNK),
+        {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK},
+    )
+    tokenized_kind = "pairs"
+
     def __init__(
         self,
         target_lang: str = "de",
@@ -239,9 +241,6 @@ class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
                 f"(need {MIN_PAIRS}); this image carries few catalogs for {target_lang!r}. Try another "
                 f"`target_lang` ({', '.join(languages)}) or install packages that ship translations."
             )
-        self._tokenizer: PreTrainedTokenizerFast | None = None
-        self._datasets: dict[str, Any] = {}
-        self._stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ pairs and split
 
@@ -279,16 +278,8 @@ class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
     # ------------------------------------------------------------------------------------------------ tokenizer
 
     @override
-    def _load_tokenizer(self) -> PreTrainedTokenizerFast:
-        if self.tokenizer_path is not None:
-            return load_pretrained_tokenizer(self.tokenizer_path, None, self.cache_root)
-        texts = [text for pair in self.train_pairs for text in pair]
-        key = content_key(UNIGRAM_ALGORITHM_VERSION, hash_texts(texts), self.tokenizer_vocab_size)
-        return load_or_train_tokenizer(
-            self.cache_root / "tokenizers" / f"unigram-{key}",
-            lambda: train_unigram(texts, self.tokenizer_vocab_size, pad=PAD, eos=EOS, unk=UNK),
-            {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK},
-        )
+    def _tokenizer_texts(self) -> list[str]:
+        return [text for pair in self.train_pairs for text in pair]
 
     def hf_config_overrides(self) -> dict[str, int]:
         """Fields the reference seq2seq module sets on its HF config (T5: the decoder starts from pad)."""
@@ -297,29 +288,27 @@ class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------------- tokenized data
 
-    @cached_property
-    def pairs_dir(self) -> Path:
-        """Cache entry with the tokenized pairs, keyed by the split's content, the tokenizer and the max lengths."""
-        key = content_key(
+    @override
+    def _tokenized_key(self) -> tuple[Any, ...]:
+        # The pairs depend on the split's content, the tokenizer and the max lengths.
+        return (
             PAIRS_VERSION,
             self.target_lang,
-            hash_texts(text for pair in self.train_pairs for text in pair),
+            hash_texts(self._tokenizer_texts()),
             hash_texts(text for pair in self.val_pairs for text in pair),
             tokenizer_fingerprint(self.tokenizer),
             self.max_source_len,
             self.max_target_len,
         )
-        return self.cache_root / "pairs" / key
 
     @override
-    def _tokenized_dir(self) -> Path:
-        return self.pairs_dir
+    def _stats_fields(self) -> dict[str, Any]:
+        return {"target_lang": self.target_lang}
 
     @override
-    def _build_tokenized(self, directory: Path) -> None:
+    def _tokenize_split(self, units: list[tuple[str, str]], fingerprint: str) -> tuple[Any, dict[str, Any]]:
         from datasets import Dataset, Features, Sequence, Value
 
-        log.info("Tokenizing %d en-%s pairs (cache miss) -> %s", self.num_pairs, self.target_lang, directory)
         tokenizer = self.tokenizer
         max_source_len, max_target_len = self.max_source_len, self.max_target_len
         features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))})
@@ -329,24 +318,15 @@ class TranslationDataModule(TokenizedSplitsMixin, L.LightningDataModule):
             targets = tokenizer(text_target=batch["target"], max_length=max_target_len, truncation=True)["input_ids"]
             return {"input_ids": sources, "labels": targets}
 
-        stats: dict[str, Any] = {"target_lang": self.target_lang, "vocab_size": len(tokenizer)}
-        with quiet_datasets(), atomic_directory(directory) as staging:
-            for split, pairs in (("train", self.train_pairs), ("validation", self.val_pairs)):
-                texts = Dataset.from_dict({"source": [s for s, _ in pairs], "target": [t for _, t in pairs]})
-                tokens = texts.map(
-                    tokenize,
-                    batched=True,
-                    remove_columns=["source", "target"],
-                    features=features,
-                    new_fingerprint=f"{directory.name}-{split}",
-                )
-                tokens.save_to_disk(str(staging / split))
-                stats[split] = {
-                    "pairs": len(pairs),
-                    "source_tokens": sum(len(ids) for ids in tokens["input_ids"]),
-                    "target_tokens": sum(len(ids) for ids in tokens["labels"]),
-                }
-            (staging / "stats.json").write_text(json.dumps(stats, indent=2))
+        texts = Dataset.from_dict({"source": [s for s, _ in units], "target": [t for _, t in units]})
+        tokens = texts.map(
+            tokenize, batched=True, remove_columns=["source", "target"], features=features, new_fingerprint=fingerprint
+        )
+        return tokens, {
+            "pairs": len(units),
+            "source_tokens": sum(len(ids) for ids in tokens["input_ids"]),
+            "target_tokens": sum(len(ids) for ids in tokens["labels"]),
+        }
 
     # ------------------------------------------------------------------------------------------- Lightning hooks
 

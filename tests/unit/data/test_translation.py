@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from lightning_hetero.data import TranslationDataModule
+from lightning_hetero.data import translation as translation_module
+from lightning_hetero.data.base import content_key, hash_texts
+from lightning_hetero.data.tokenization import UNIGRAM_ALGORITHM_VERSION, tokenizer_fingerprint
 from lightning_hetero.data.translation import MIN_PAIRS, available_languages, clean_pair, extract_pairs
 
 LOCALE_DIR = Path("/usr/share/locale")
@@ -147,3 +150,16 @@ def test_second_setup_hits_the_cache(isolated_cache: Path):
     second.setup("fit")
     assert tokenizer_file.stat().st_mtime_ns == mtime
     assert len(list(isolated_cache.glob("data/translation/pairs/*"))) == 1
+    # The cache keys (unchanged since the tokenizer and entry layout moved into TokenizedSplitsMixin).
+    train_texts = [text for pair in second.train_pairs for text in pair]
+    tokenizer_key = content_key(UNIGRAM_ALGORITHM_VERSION, hash_texts(train_texts), 500)
+    assert tokenizer_file.parent == isolated_cache / "data/translation/tokenizers" / f"unigram-{tokenizer_key}"
+    assert second.tokenized_dir == second.cache_root / "pairs" / content_key(
+        translation_module.PAIRS_VERSION,
+        "de",
+        hash_texts(train_texts),
+        hash_texts(text for pair in second.val_pairs for text in pair),
+        tokenizer_fingerprint(second.tokenizer),
+        64,
+        64,
+    )
