@@ -53,7 +53,9 @@ def dgl_worker(args: argparse.Namespace) -> None:
     from lightning_hetero import comm
     from lightning_hetero.data import ShakespeareDataModule
     from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+    from lightning_hetero.layerwise.settings import LayerwiseSettings
     from lightning_hetero.models import CausalLMModule
+    from lightning_hetero.pipeline.settings import PipelineSettings
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_subspace import _take
@@ -67,7 +69,8 @@ def dgl_worker(args: argparse.Namespace) -> None:
     data.setup("fit")
     module = CausalLMModule(preset=args.preset, config=data.hf_config_overrides(), learning_rate=args.learning_rate)
     module.configure_model()
-    runtime = DecoupledRuntime(world, activation_dtype=DGL_VARIANTS[args.variant], aux_head="linear")
+    pipeline = PipelineSettings(num_stages=world, boundary_dtype=DGL_VARIANTS[args.variant])
+    runtime = DecoupledRuntime(LayerwiseSettings(pipeline=pipeline, aux_head="linear"))
     runtime.setup(module, torch.device("cpu"), rank)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.learning_rate, weight_decay=0.1)
     torch.manual_seed(0)  # every stage must iterate the same batches in the same order
@@ -201,13 +204,15 @@ def accuracy_worker(rank: int, world_size: int, epochs: int, batch_size: int, tr
     from torch import nn
 
     from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+    from lightning_hetero.layerwise.settings import LayerwiseSettings
+    from lightning_hetero.pipeline.settings import PipelineSettings
 
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = load_dataset("digits")
     x_train, y_train = x_train[:train_limit], y_train[:train_limit]
     holder = nn.Module()
     holder.model = build_model("cnn", x_train.shape[-1])
-    runtime = DecoupledRuntime(world_size, aux_head="mlp")
+    runtime = DecoupledRuntime(LayerwiseSettings(pipeline=PipelineSettings(num_stages=world_size), aux_head="mlp"))
     runtime.setup(holder, torch.device("cpu"), rank)
     optimizer = torch.optim.Adam(runtime.stage.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
@@ -290,6 +295,8 @@ def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: boo
     from torch import nn
 
     from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
+    from lightning_hetero.layerwise.settings import LayerwiseSettings
+    from lightning_hetero.pipeline.settings import PipelineSettings
 
     l1 = _bench_layerwise()
     torch.set_num_threads(1)
@@ -297,7 +304,7 @@ def matched_worker(rank: int, world_size: int, name: str, steps: int, quick: boo
     lr, aux = l1.LRS[name], l1.AUX[name]
     holder = nn.Module()
     holder.model = l1.make_model(name, vocab)
-    runtime = DecoupledRuntime(world_size, aux_head=aux)
+    runtime = DecoupledRuntime(LayerwiseSettings(pipeline=PipelineSettings(num_stages=world_size), aux_head=aux))
     runtime.setup(holder, torch.device("cpu"), rank)
     optimizer = torch.optim.AdamW(runtime.stage.parameters(), lr=lr, weight_decay=0.0)
     draw = l1._sampler(train, 16 if name == "llama" else 64)

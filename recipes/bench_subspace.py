@@ -35,14 +35,15 @@ VARIANTS = ["plain", "int8"] + [f"ssn{r}-{dtype}" for r in (16, 32, 64) for dtyp
 
 
 def variant_options(variant: str) -> dict[str, Any]:
-    """Runtime arguments of a variant name (``plain``, ``int8``, ``ssn<ratio>-<fp32|bf16>``)."""
+    """Settings of a variant name (``plain``, ``int8``, ``ssn<ratio>-<fp32|bf16>``): ``compress``, ``dim_ratio``
+    (``d / k``) and ``boundary_dtype`` (of :class:`~lightning_hetero.pipeline.settings.PipelineSettings`)."""
     if variant == "plain":
-        return {"compress": False, "coord_dtype": "fp32"}
+        return {"compress": False, "boundary_dtype": "fp32"}
     if variant == "int8":
-        return {"compress": False, "coord_dtype": "int8"}
+        return {"compress": False, "boundary_dtype": "int8"}
     if variant.startswith("ssn") and "-" in variant:
         ratio, dtype = variant[3:].split("-", 1)
-        return {"compress": True, "compression": float(ratio), "coord_dtype": dtype}
+        return {"compress": True, "dim_ratio": float(ratio), "boundary_dtype": dtype}
     raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 
 
@@ -55,7 +56,9 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_hetero import comm
     from lightning_hetero.data import ShakespeareDataModule
     from lightning_hetero.models import CausalLMModule
+    from lightning_hetero.pipeline.settings import PipelineSettings
     from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
+    from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -66,9 +69,12 @@ def worker(args: argparse.Namespace) -> None:
     data.setup("fit")
     module = CausalLMModule(preset=args.preset, config=data.hf_config_overrides(), learning_rate=args.learning_rate)
     module.configure_model()
-    runtime = SubspacePipelineRuntime(
-        world, n_microbatches=args.microbatches, schedule=args.schedule, **variant_options(args.variant)
+    options = variant_options(args.variant)
+    pipeline = PipelineSettings(num_stages=world, boundary_dtype=options.pop("boundary_dtype"))
+    settings = SubspacePipelineSettings(
+        pipeline=pipeline, n_microbatches=args.microbatches, schedule=args.schedule, **options
     )
+    runtime = SubspacePipelineRuntime(settings)
     runtime.setup(module, torch.device("cpu"), rank)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.learning_rate, weight_decay=0.1)
     torch.manual_seed(0)  # every stage must iterate the same batches in the same order

@@ -25,7 +25,7 @@ class LayerwiseSettings:
 
     Attributes:
         pipeline: Stages, replicas and the codec of the activations on the wire (see
-            :class:`~lightning_hetero.pipeline.PipelineSettings`).
+            :class:`~lightning_hetero.pipeline.settings.PipelineSettings`).
         boundaries: Unit indices (layers / conv stages) at which stages 1.. start, ``pipeline.num_stages - 1`` of
             them (e.g. ``[1]``: one unit on stage 0, the rest on stage 1); None: a balanced split.
         aux_head: Local head of the stages before the last: ``"linear"``, ``"mlp"`` or ``"lm_head"`` (causal LMs:

@@ -182,6 +182,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
                 f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the model has only {num_layers} "
                 f"decoder layers; use at most {num_layers} stages."
             )
+        self.check_width(int(hf_model.config.hidden_size))
         self.layer_ranges = [tuple(r) for r in split_layers(num_layers, self.num_stages)]
         # release_unused: the rest of the HF model (other stages' layers) becomes meta tensors, freeing its memory.
         stage = build_stages(hf_model, self.config, self.num_stages, [self.stage_index], release_unused=True)[0]
@@ -194,6 +195,27 @@ class SubspacePipelineRuntime(StrategyRuntime):
         else:
             setattr(parent, attribute, self.container)
         return module
+
+    def check_width(self, hidden_size: int) -> None:
+        """Raise a ValueError naming the setting unless the subspace fits a model of width ``hidden_size`` (``d``).
+
+        Only the model tells ``d``, so this runs at setup; :meth:`SubspaceConfig.resolve_rank` would raise too, but
+        under the algorithm config's own field names.
+        """
+        settings = self.settings
+        if not settings.compress:
+            return
+        if settings.subspace_dim is not None and settings.subspace_dim > hidden_size:
+            raise ValueError(
+                f"{self.owner}: settings.subspace_dim={settings.subspace_dim} exceeds the model width d={hidden_size}; "
+                f"use subspace_dim <= {hidden_size}."
+            )
+        ratio = settings.resolved_dim_ratio()
+        if ratio is not None and round(hidden_size / ratio) < 1:
+            raise ValueError(
+                f"{self.owner}: settings.dim_ratio={ratio} leaves k = round({hidden_size} / {ratio}) = 0 coordinates "
+                f"per token; use dim_ratio <= {hidden_size}."
+            )
 
     def _sync_replicas(self) -> None:
         """Give every replica of this stage replica 0's weights (different seeds per rank must not fork them)."""

@@ -28,7 +28,8 @@ class SubspacePipelineSettings:
     boundary carries ``k`` coordinates per token instead of the model width ``d`` (see ``docs/subspace.md``).
 
     Attributes:
-        pipeline: Stages, replicas and boundary codec (see :class:`~lightning_hetero.pipeline.PipelineSettings`).
+        pipeline: Stages, replicas and boundary codec (see
+            :class:`~lightning_hetero.pipeline.settings.PipelineSettings`).
         schedule: ``"1f1b"`` or ``"gpipe"``. Interleaved schedules are refused (one stage per rank).
         n_microbatches: Micro-batches per batch (the batch size must be a multiple); None: ``pipeline.num_stages``.
         compress: False: the plain pipeline baseline in the same code path (no subspace; boundaries carry ``d``

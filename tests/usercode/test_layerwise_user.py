@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hetero.callbacks import GreedyLayerwise
+from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
 from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
@@ -140,8 +141,9 @@ def _dgl_worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = UserLlama(train_items=32, batch_size=4)
     losses = Recorder(keep=())
+    strategy = LayerwiseStrategy(settings=LayerwiseSettings(export_dir=str(out / "dgl")))  # 2 stages: the default
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=LayerwiseStrategy(num_stages=2, export_dir=str(out / "dgl")),
+        accelerator="cpu", devices=world_size, strategy=strategy,
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[losses],
     )  # fmt: skip
@@ -236,7 +238,7 @@ def _tuple_batches_worker(rank: int, world_size: int) -> dict[str, Any]:
     greedy_val = float(trainer.callback_metrics["val_loss"])
     dgl_module = UserTwoConvCNN(train_items=64)
     losses = Recorder(keep=())
-    trainer = L.Trainer(strategy=LayerwiseStrategy(num_stages=2), callbacks=[losses], **common)
+    trainer = L.Trainer(strategy=LayerwiseStrategy(), callbacks=[losses], **common)
     trainer.fit(dgl_module)
     return {
         "greedy_steps": record.steps,

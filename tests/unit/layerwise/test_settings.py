@@ -127,7 +127,7 @@ def test_adapters_take_the_settings(cls: type) -> None:
         strategy.settings = LayerwiseSettings()  # type: ignore[misc]
 
 
-def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch) -> None:
+def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch, capsys) -> None:
     from lightning_hetero.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
@@ -148,6 +148,11 @@ def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch) -> None:
         export_dir="out/dgl",
         replay_capacity=7,
     )
-    # A bad value fails while the CLI parses, naming the field (nothing is launched).
-    with pytest.raises(ValueError, match=r"LayerwiseSettings\.boundaries=\[1\] with pipeline\.num_stages=3"):
+    # A bad value fails while the CLI parses, naming the field (nothing is launched) ...
+    with pytest.raises(SystemExit):
         build_cli(["--config", str(config), "--trainer.strategy.init_args.settings.boundaries=[1]"], run=False)
+    assert "LayerwiseSettings.boundaries=[1] with pipeline.num_stages=3" in capsys.readouterr().err
+    # ... and so does a 0.1 key, naming where it went.
+    with pytest.raises(SystemExit):
+        build_cli(["--config", str(config), "--trainer.strategy.init_args.activation_dtype", "bf16"], run=False)
+    assert "'activation_dtype' -> 'settings.pipeline.boundary_dtype'" in capsys.readouterr().err

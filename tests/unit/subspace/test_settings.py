@@ -142,7 +142,7 @@ def test_adapters_take_the_settings(cls: type) -> None:
         strategy.settings = SubspacePipelineSettings()  # type: ignore[misc]
 
 
-def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch) -> None:
+def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch, capsys) -> None:
     from lightning_hetero.cli import build_cli
 
     monkeypatch.chdir(tmp_path)
@@ -164,6 +164,26 @@ def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch) -> None:
         update_every=3,
         seed=5,
     )
-    # A bad value fails while the CLI parses, naming the field (nothing is launched).
-    with pytest.raises(ValueError, match=r"SubspacePipelineSettings\.update_lr=-1\.0: use a finite number > 0"):
+    # A bad value fails while the CLI parses, naming the field (nothing is launched) ...
+    with pytest.raises(SystemExit):
         build_cli(["--config", str(config), "--trainer.strategy.init_args.settings.update_lr", "-1"], run=False)
+    assert "SubspacePipelineSettings.update_lr=-1.0: use a finite number > 0" in capsys.readouterr().err
+    # ... and so does a 0.1 key, naming where it went.
+    with pytest.raises(SystemExit):
+        build_cli(["--config", str(config), "--trainer.strategy.init_args.rank", "8"], run=False)
+    assert "'rank' -> 'settings.subspace_dim'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (SubspacePipelineSettings(subspace_dim=200), r"settings\.subspace_dim=200 exceeds the model width d=128"),
+        (SubspacePipelineSettings(dim_ratio=1000.0), r"settings\.dim_ratio=1000\.0 leaves k = round\(128 / 1000\.0\)"),
+    ],
+)
+def test_a_subspace_wider_than_the_model_names_the_setting(settings: SubspacePipelineSettings, match: str) -> None:
+    """The model width is known only at setup; the error names the strategy's setting, not SubspaceConfig's."""
+    runtime = SubspacePipelineRuntime(settings)
+    with pytest.raises(ValueError, match=match):
+        runtime.check_width(128)
+    runtime.check_width(1000 if settings.subspace_dim is None else 200)  # wide enough: no error
