@@ -141,23 +141,23 @@ class SparseFlipRuntime(StrategyRuntime):
             if settings.drift_check_every:
                 self._drift_replicas = world_size  # every rank its own replica
         exchange = settings.exchange
-        tau, density = exchange.send_threshold, exchange.kept_fraction
+        threshold, kept = exchange.send_threshold, exchange.kept_fraction
         if flip.rule == "local_bop":
             self.local_bop = LocalBop(layout.offsets, flip.bop_gamma)
             self.rule = ThresholdRule(flip.bop_threshold, cap)
-            if tau is None and density is None:
-                tau = exchange.send_threshold_ratio * flip.bop_threshold
+            if threshold is None and kept is None:
+                threshold = exchange.send_threshold_ratio * flip.bop_threshold
         elif flip.rule == "bop":
             self.rule = BopRule(layout.offsets, flip.bop_gamma, flip.bop_threshold, reset=0.0, cap=cap)
         else:
             self.rule = TopKRule(self.k)
-        if tau is None and density is None:
-            density = 0.01
+        if threshold is None and kept is None:
+            kept = 0.01
         self.exchange = SparseFlipExchange(
             layout.numel,
             self.k,
-            tau=tau,
-            density=density,
+            tau=threshold,
+            density=kept,
             encoding=exchange.encoding,
             mode=exchange.aggregation,
             server=exchange.server,
