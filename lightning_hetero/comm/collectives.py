@@ -96,6 +96,15 @@ def _check_same_dtype(output: torch.Tensor, input: torch.Tensor) -> None:
         raise ValueError(f"output dtype {output.dtype} must match input dtype {input.dtype}.")
 
 
+# torch 2.13 renamed the tensor forms; the FSDP2 comms call the same functions as the wrappers.
+def _dist_all_gather_into_tensor() -> Callable[..., Any]:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _dist_reduce_scatter_tensor() -> Callable[..., Any]:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 # ---------------------------------------------------------------------------------------------------- reductions
 def all_reduce(
     tensor: torch.Tensor,
@@ -120,9 +129,8 @@ def all_reduce(
     Returns:
         A Work-like handle when ``async_op`` else None.
     """
-    validate_label(label)
+    n, initialized = start_call("all_reduce", label, group)
     name = reduce_op_name(op)
-    n, initialized = group_info(group, "all_reduce")
     wire, write_back = reduction_wire(tensor, name)
     work = dist.all_reduce(wire, op=TORCH_REDUCE_OPS[name], group=group, async_op=async_op) if initialized else None
     record(ledger, "all_reduce", label, nbytes(wire), n)
@@ -150,9 +158,8 @@ def reduce_scatter_tensor(
     Returns:
         A Work-like handle when ``async_op`` else None.
     """
-    validate_label(label)
+    n, initialized = start_call("reduce_scatter_tensor", label, group)
     name = reduce_op_name(op)
-    n, initialized = group_info(group, "reduce_scatter_tensor")
     _check_same_dtype(output, input)
     wire_in, _ = reduction_wire(input, name)
     wire_out, write_back = reduction_wire(output, name)
@@ -160,8 +167,8 @@ def reduce_scatter_tensor(
         work = None
         copy_local(wire_out, wire_in)
     else:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        work = fn(wire_out, wire_in, op=TORCH_REDUCE_OPS[name], group=group, async_op=async_op)
+        reduce_scatter = _dist_reduce_scatter_tensor()
+        work = reduce_scatter(wire_out, wire_in, op=TORCH_REDUCE_OPS[name], group=group, async_op=async_op)
     record(ledger, "reduce_scatter_tensor", label, nbytes(wire_in), n)
     return finish(work, reduction_finalizer(wire_out, output, write_back, name, n), async_op)
 
@@ -192,8 +199,8 @@ def all_gather_into_tensor(
         work = None
         copy_local(output, input)
     else:
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        work = fn(as_wire_output(output, "output"), as_wire_input(input), group=group, async_op=async_op)
+        all_gather_single = _dist_all_gather_into_tensor()
+        work = all_gather_single(as_wire_output(output, "output"), as_wire_input(input), group=group, async_op=async_op)
     record(ledger, "all_gather_into_tensor", label, nbytes(input), n)
     return finish(work, None, async_op)
 
@@ -404,7 +411,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2 only duck-types the
 
 
 class _CountedFSDPComm:
-    """What both FSDP2 comms share: their label and ledger, and FSDP's default allocation."""
+    """What both FSDP2 comms share: their label and ledger, FSDP's default allocation, and the counted call."""
 
     def __init__(self, label: str, ledger: ByteLedger | None = None) -> None:
         self.label = validate_label(label)
@@ -413,6 +420,15 @@ class _CountedFSDPComm:
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP's default allocation: a plain empty tensor."""
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _counted(
+        self, name: str, call: Callable[..., Any], output: torch.Tensor, input: torch.Tensor, group: Any, **kwargs: Any
+    ) -> Any | None:
+        """Run FSDP's own ``call(output, input, group=group, **kwargs)``, recorded as ``name`` (S = ``input``)."""
+        n, _ = group_info(group, name)
+        work = call(output, input, group=group, **kwargs)
+        record(self.ledger, name, self.label, nbytes(input), n)
+        return work
 
 
 class CountedFSDPAllGather(_CountedFSDPComm, _FSDPAllGather):  # type: ignore[misc]
@@ -426,11 +442,14 @@ class CountedFSDPAllGather(_CountedFSDPComm, _FSDPAllGather):  # type: ignore[mi
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
     ) -> Any | None:
-        n, _ = group_info(group, "all_gather_into_tensor")
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        work = fn(output_tensor, input_tensor, group=group, async_op=async_op)
-        record(self.ledger, "all_gather_into_tensor", self.label, nbytes(input_tensor), n)
-        return work
+        return self._counted(
+            "all_gather_into_tensor",
+            _dist_all_gather_into_tensor(),
+            output_tensor,
+            input_tensor,
+            group,
+            async_op=async_op,
+        )
 
 
 class CountedFSDPReduceScatter(_CountedFSDPComm, _FSDPReduceScatter):  # type: ignore[misc]
@@ -443,8 +462,12 @@ class CountedFSDPReduceScatter(_CountedFSDPComm, _FSDPReduceScatter):  # type: i
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ) -> Any | None:
-        n, _ = group_info(group, "reduce_scatter_tensor")
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        work = fn(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
-        record(self.ledger, "reduce_scatter_tensor", self.label, nbytes(input_tensor), n)
-        return work
+        return self._counted(
+            "reduce_scatter_tensor",
+            _dist_reduce_scatter_tensor(),
+            output_tensor,
+            input_tensor,
+            group,
+            op=op,
+            async_op=async_op,
+        )
