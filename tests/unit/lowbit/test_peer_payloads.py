@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
-from lightning_hetero.lowbit.runtime import SparseFlipRuntime
+from lightning_hetero.lowbit.settings import SparseFlipSettings
 from lightning_hetero.lowbit.sparse import SparseFlipExchange, all_gather_messages, decode_lists
 from lightning_hetero.lowbit.wire import HEADER_BYTES, decode_flips, decode_sparse, encode_sparse
 
@@ -99,12 +99,12 @@ def test_the_fp_average_of_a_single_rank_is_unchanged_by_the_policy():
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("build", [SparseGradientAverage, SparseFlipExchange, SparseFlipRuntime])
+@pytest.mark.parametrize("build", [SparseGradientAverage, SparseFlipExchange, SparseFlipSettings])
 def test_a_bad_policy_is_refused_at_construction(build):
     arguments = {
         SparseGradientAverage: {"numel": NUMEL, "density": 0.1},
         SparseFlipExchange: {"numel": NUMEL, "k": 4, "density": 0.1},
-        SparseFlipRuntime: {},
+        SparseFlipSettings: {},
     }[build]
     with pytest.raises(ValueError, match="on_bad_payload='skip'.*'raise'.*'drop'"):
         build(**arguments, on_bad_payload="skip")
