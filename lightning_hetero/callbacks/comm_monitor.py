@@ -10,7 +10,7 @@ it states once at fit start (:func:`describe_coverage`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +25,42 @@ from lightning_hetero.comm.fsdp_comm import count_fsdp2
 from lightning_hetero.comm.ledger import INTER, INTRA, SETUP_STEP, ByteLedger, LedgerTotals, get_ledger, validate_label
 from lightning_hetero.comm.units import parse_bandwidth
 
-__all__ = ["CommunicationMonitor", "describe_coverage"]
+__all__ = ["CommunicationMonitor", "describe_coverage", "log_step_metrics"]
 
 _SETUP, _STEP, _BETWEEN = "setup", "step", "between"  # where the traffic since the last boundary belongs
+
+
+def log_step_metrics(
+    pl_module: LightningModule,
+    metrics: Mapping[str, float],
+    step: int,
+    *,
+    prog_bar: bool | Callable[[str], bool] = False,
+) -> None:
+    """Log a callback's values of one optimizer step, for callbacks that log only every n-th step.
+
+    ``trainer.callback_metrics`` (and the progress bar, for the names ``prog_bar`` selects) get float64 CPU tensors
+    through ``pl_module.log``, exact up to 2**53. The loggers are written directly at ``step``, as LearningRateMonitor
+    does: ``self.log`` from a callback would repeat the last value at every step the callback skips.
+
+    Args:
+        pl_module: The module being trained (its ``log`` and its trainer's loggers are used).
+        metrics: ``{name: value}`` of this step.
+        step: The logger step, e.g. the 0-based index of the optimizer step that just finished.
+        prog_bar: Show every value in the progress bar (``True``), none (``False``), or those whose name it accepts.
+    """
+    for name, value in metrics.items():
+        pl_module.log(
+            name,
+            torch.tensor(value, dtype=torch.float64),
+            on_step=True,
+            on_epoch=False,
+            prog_bar=prog_bar(name) if callable(prog_bar) else prog_bar,
+            logger=False,
+            batch_size=1,
+        )
+    for logger in pl_module.trainer.loggers:
+        logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=step)
 
 
 class CommunicationMonitor(Callback):
@@ -226,20 +259,7 @@ class CommunicationMonitor(Callback):
         if not metrics:  # nothing communicated and no labels requested: no empty rows in the loggers
             return
         self._setup_logged = True
-        # callback_metrics and the progress bar go through self.log. The loggers are written directly, as
-        # LearningRateMonitor does: self.log from a callback would repeat the last value at every step we skip.
-        for name, value in metrics.items():
-            pl_module.log(
-                name,
-                torch.tensor(value, dtype=torch.float64),
-                on_step=True,
-                on_epoch=False,
-                prog_bar=self.prog_bar,
-                logger=False,
-                batch_size=1,
-            )
-        for logger in pl_module.trainer.loggers:
-            logger.log_metrics({name: float(value) for name, value in metrics.items()}, step=step)
+        log_step_metrics(pl_module, metrics, step, prog_bar=self.prog_bar)
 
     @override
     def state_dict(self) -> dict[str, Any]:

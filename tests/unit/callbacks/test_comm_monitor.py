@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_hetero.callbacks import CommunicationMonitor
+from lightning_hetero.callbacks.comm_monitor import log_step_metrics
 from lightning_hetero.comm import INTER, INTRA, PIPELINE, SETUP_STEP, LedgerTotals, get_ledger
 
 
@@ -226,3 +228,23 @@ def test_other_bad_arguments() -> None:
         CommunicationMonitor(log_every_n_steps=0)
     assert CommunicationMonitor(bandwidths="1gbit").bits_per_second == {"1gbit": 1e9}  # type: ignore[arg-type]
     assert CommunicationMonitor().bits_per_second == {"1gbit": 1e9, "100mbit": 1e8}
+
+
+class _EveryOtherStep(Callback):
+    """Logs two metrics after every other optimizer step through :func:`log_step_metrics`."""
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step - 1
+        if step % 2 == 0:
+            metrics = {"probe/mean": 0.5 + step, "probe/layer": 2**53 + step}
+            log_step_metrics(pl_module, metrics, step, prog_bar=lambda name: name.endswith("/mean"))
+
+
+def test_log_step_metrics_writes_the_loggers_at_the_given_steps_only_and_callback_metrics_in_float64(tmp_path: Path):
+    trainer = _fit(_EveryOtherStep(), tmp_path, module=_TinyModule(chatty=False), max_steps=5)
+    assert _logged_rows(trainer, "probe/mean") == [(0, 0.5), (2, 2.5), (4, 4.5)]  # no repeats at skipped steps
+    assert [step for step, _ in _logged_rows(trainer, "probe/layer")] == [0, 2, 4]
+    layer = trainer.callback_metrics["probe/layer"]
+    assert layer.dtype == torch.float64 and int(layer.item()) == 2**53 + 4
+    assert set(trainer.progress_bar_metrics) == {"probe/mean"}
