@@ -74,21 +74,21 @@ class Topology:
 def resolve_shard_size(shard_size: int | None, world_size: int, ranks_per_node: int, owner: str) -> int:
     """The number of ranks that shard one copy: ``shard_size``, or every rank of a node when None.
 
+    ``shard_size`` was checked to be a positive int (or None) by ``FlexDeMoSettings``.
+
     Raises:
-        ValueError: ``shard_size`` is not a positive int or does not divide the ranks of a node (a model copy must
-            not span nodes: its reduce-scatter would then cross the slow link).
+        ValueError: ``shard_size`` does not divide the ranks of a node (a model copy must not span nodes: its
+            reduce-scatter would then cross the slow link).
     """
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"{owner}: {world_size} ranks cannot be split into nodes of {ranks_per_node} ranks.")
     if shard_size is None:
         return ranks_per_node
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"{owner}(shard_size={shard_size!r}): use a positive int, or None for all ranks of a node.")
     if ranks_per_node % shard_size:
         divisors = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
         raise ValueError(
-            f"{owner}(shard_size={shard_size}): it must divide the {ranks_per_node} ranks per node, so that a model "
-            f"copy never spans two nodes. Valid values: {divisors} (or None for {ranks_per_node})."
+            f"{owner}: settings.shard_size={shard_size} must divide the {ranks_per_node} ranks per node, so that a "
+            f"model copy never spans two nodes. Valid values: {divisors} (or None for {ranks_per_node})."
         )
     return shard_size
 

@@ -61,7 +61,7 @@ def test_bad_settings_fail_at_construction(build, match):
 
 def test_shard_size_must_divide_ranks_per_node_before_launch():
     with pytest.raises(
-        ValueError, match=r"shard_size=3\): it must divide the 4 ranks per node.*Valid values: \[1, 2, 4\]"
+        ValueError, match=r"settings.shard_size=3 must divide the 4 ranks per node.*Valid values: \[1, 2, 4\]"
     ):
         L.Trainer(
             accelerator="cpu",
@@ -69,7 +69,7 @@ def test_shard_size_must_divide_ranks_per_node_before_launch():
             strategy=FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=3)),
             logger=False,
         )
-    with pytest.raises(ValueError, match=r"shard_size=3\): it must divide the 2 ranks per node"):
+    with pytest.raises(ValueError, match=r"settings.shard_size=3 must divide the 2 ranks per node"):
         Fabric(
             accelerator="cpu",
             devices=2,
