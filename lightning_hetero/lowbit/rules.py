@@ -5,11 +5,11 @@ Both rules see the same input on whichever rank decides (the parameter server, o
 and the current flat codes. They return ``(indices ascending, directions in {-1, +1})`` of allowed moves only.
 
 - :class:`TopKRule` (the seed's rule): the ``k`` allowed moves of largest ``|mean|``.
-- :class:`ThresholdRule` with :class:`LocalBop` (``flip_rule="local_bop"``, the default): every rank keeps Bop's
-  momentum of its own dense, rms-normalized code gradient and sends only the momenta past ``send_fraction *
-  threshold``; the decider moves the codes whose mean momentum over the ranks passes ``threshold``, and every rank
-  resets the momentum of the codes that moved. The momentum is the memory, so nothing a rank does not send is lost,
-  and with one rank it is exactly :class:`~lightning_hetero.lowbit.bop.BopFlip`.
+- :class:`ThresholdRule` with :class:`LocalBop` (settings ``flip.rule="local_bop"``, the default): every rank keeps
+  Bop's momentum of its own dense, rms-normalized code gradient and sends only the momenta past
+  ``exchange.send_threshold_ratio * threshold``; the decider moves the codes whose mean momentum over the ranks passes
+  ``threshold``, and every rank resets the momentum of the codes that moved. The momentum is the memory, so nothing a
+  rank does not send is lost, and with one rank it is exactly :class:`~lightning_hetero.lowbit.bop.BopFlip`.
 - :class:`BopRule`: Bop (Helwegen et al. 2019) on the aggregate, as :class:`~lightning_hetero.lowbit.bop.BopFlip` does
   on a dense gradient: per layer, the sent entries are divided by their rms, an fp16 moving average
   ``m = (1 - gamma) m + gamma g'`` is kept per code, a code moves one step against ``m`` when ``|m| > threshold``
