@@ -176,7 +176,8 @@ def test_our_strategies_resolve_by_short_class_name(name, tmp_path, monkeypatch)
     config.write_text(
         f"model: {USER_MODULE}\n"
         "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n"  # nothing is launched before fit
-        f"  strategy:\n    class_path: {name}\n    init_args:\n      on_bad_payload: raise\n"
+        f"  strategy:\n    class_path: {name}\n    init_args:\n      settings:\n        on_bad_payload: raise\n"
     )
     cli = build_cli(["--config", str(config)], run=False)
     assert type(cli.trainer.strategy).__name__ == name
+    assert cli.trainer.strategy.settings.on_bad_payload == "raise"  # each strategy's typed settings
