@@ -54,6 +54,50 @@ def validation_loss(model: torch.nn.Module, batches: int = 8) -> float:
     return float(torch.stack(losses).mean())
 
 
+def build(hidden: int = 16, lr: float = 0.02, seed: int = 1000) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer every replica starts from (a restarted one too: healing brings it up to date)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def replay(schedule: list[tuple[int, list[int]]], hidden: int = 16, lr: float = 0.02) -> torch.nn.Module:
+    """Train in one process, without faults, on exactly the batches of ``schedule``: (committed step, replicas whose
+    batches were averaged at it). The reference a fault-tolerant run is compared with (same tokens)."""
+    model, optimizer = build(hidden, lr)
+    for step, replicas in schedule:
+        grads = []
+        for replica in replicas:
+            inputs, target = batch(step - 1, replica)  # a step is committed with the batch of the step before it
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), target).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        mean = torch.stack(grads).sum(dim=0) / len(grads)
+        offset = 0
+        for param in model.parameters():
+            param.grad = mean[offset : offset + param.numel()].view_as(param).clone()
+            offset += param.numel()
+        optimizer.step()
+    return model
+
+
+def forbid_pickle() -> None:
+    """Make ``pickle.load(s)``, ``pickle.Unpickler`` and ``torch.load`` raise in this process."""
+    import pickle
+
+    message = "spot_worker --forbid-pickle: something tried to unpickle"
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(message)
+
+    class RefusingUnpickler(pickle.Unpickler):  # a class: torch subclasses pickle.Unpickler at import time
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError(message)
+
+    pickle.load, pickle.loads, pickle.Unpickler = refuse, refuse, RefusingUnpickler  # type: ignore[assignment,misc]
+    torch.load = refuse  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lighthouse", required=True)
@@ -64,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds of 'compute' per step")
     parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument(
+        "--forbid-pickle", action="store_true", help="make every unpickling call raise (proves a heal never unpickles)"
+    )
     args = parser.parse_args(argv)
+    if args.forbid_pickle:
+        forbid_pickle()
 
     torch.manual_seed(1000 + args.replica_id)  # different inits: only the init sync / healing makes them equal
     model = torch.nn.Sequential(

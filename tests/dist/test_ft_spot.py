@@ -56,6 +56,7 @@ def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Pop
     env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
     log = (out / f"worker_{replica}_{time.monotonic_ns()}.log").open("w")
     command = [sys.executable, str(WORKER), "--lighthouse", address, "--replica-id", str(replica), "--out", str(out)]
+    command.append("--forbid-pickle")  # a heal through torchft's stock (unpickling) transports would fail
     return subprocess.Popen([*command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
