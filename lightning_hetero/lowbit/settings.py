@@ -10,29 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from lightning_hetero.core.settings import check_choice, check_fraction, check_int, check_positive
 from lightning_hetero.lowbit.convert import SUPPORTED_TYPES
 
 __all__ = ["CodeExchangeSettings", "FlipSettings", "FpSyncSettings", "SparseFlipSettings"]
 
+Kind = Literal["ternary", "binary"]
+Granularity = Literal["row", "layer"]
 FlipRule = Literal["local_bop", "bop", "topk"]
-Encoding = Literal["sign", "ternary", "bf16", "fp32"]
+Encoding = Literal["sign", "ternary", "bf16", "fp32"]  # comm.codecs.VALUE_ENCODINGS (a test keeps them equal)
+Aggregation = Literal["server", "allgather"]  # lowbit.sparse.EXCHANGE_MODES
+NonfinitePolicy = Literal["raise", "skip"]
+BadPayloadPolicy = Literal["raise", "drop"]  # comm.validation.BAD_PAYLOAD_POLICIES
 
 _FLIP = "SparseFlipSettings.flip"
 _EXCHANGE = "SparseFlipSettings.exchange"
 _FP_SYNC = "SparseFlipSettings.fp_sync"
 _SETTINGS = "SparseFlipSettings"
-
-
-def _check_open_fraction(owner: str, name: str, value: Any, low_open: bool, fix: str) -> None:
-    """``value`` in (0, 1] (``low_open``) or in [0, 1), else a ValueError naming the field."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = number and ((0 < value <= 1) if low_open else (0 <= value < 1))
-    if not ok:
-        interval = "(0, 1]" if low_open else "[0, 1)"
-        raise ValueError(f"{owner}.{name}={value!r}: use a number in {interval}{fix}.")
 
 
 def _names(owner: str, name: str, value: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -70,7 +66,7 @@ class FlipSettings:
     bop_decay_to: float = 0.1
 
     def __post_init__(self) -> None:
-        check_choice(_FLIP, "rule", self.rule, ("local_bop", "bop", "topk"))
+        check_choice(_FLIP, "rule", self.rule, get_args(FlipRule))
         check_int(_FLIP, "max_per_step", self.max_per_step, minimum=1, allow_none=True, fix="or null for max_fraction")
         check_fraction(_FLIP, "max_fraction", self.max_fraction, allow_none=True)
         check_fraction(_FLIP, "bop_gamma", self.bop_gamma)
@@ -106,7 +102,7 @@ class CodeExchangeSettings:
     kept_fraction: float | None = None
     send_threshold_ratio: float = 1.0
     encoding: Encoding = "sign"
-    aggregation: Literal["server", "allgather"] = "server"
+    aggregation: Aggregation = "server"
     server: int = 0
     error_feedback: bool = True
 
@@ -119,8 +115,8 @@ class CodeExchangeSettings:
         check_positive(_EXCHANGE, "send_threshold", self.send_threshold, allow_zero=True, allow_none=True)
         check_fraction(_EXCHANGE, "kept_fraction", self.kept_fraction, allow_none=True)
         check_positive(_EXCHANGE, "send_threshold_ratio", self.send_threshold_ratio, allow_zero=True)
-        check_choice(_EXCHANGE, "encoding", self.encoding, ("sign", "ternary", "bf16", "fp32"))
-        check_choice(_EXCHANGE, "aggregation", self.aggregation, ("server", "allgather"))
+        check_choice(_EXCHANGE, "encoding", self.encoding, get_args(Encoding))
+        check_choice(_EXCHANGE, "aggregation", self.aggregation, get_args(Aggregation))
         check_int(_EXCHANGE, "server", self.server, minimum=0, fix="a global rank")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"{_EXCHANGE}.error_feedback={self.error_feedback!r}: use true or false.")
@@ -139,8 +135,7 @@ class FpSyncSettings:
     kept_fraction: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kept_fraction is not None:
-            _check_open_fraction(_FP_SYNC, "kept_fraction", self.kept_fraction, True, ", or null for a dense average")
+        check_fraction(_FP_SYNC, "kept_fraction", self.kept_fraction, allow_none=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,8 +190,8 @@ class SparseFlipSettings:
     }
     """Adapter keywords of 0.1 -> where they went (an old keyword raises ``RenamedSettingError`` naming it)."""
 
-    kind: Literal["ternary", "binary"] = "ternary"
-    granularity: Literal["row", "layer"] = "row"
+    kind: Kind = "ternary"
+    granularity: Granularity = "row"
     trainable_scale: bool = True
     zero_fraction: float | None = 0.5
     skip: Sequence[str] | None = None
@@ -205,18 +200,19 @@ class SparseFlipSettings:
     exchange: CodeExchangeSettings = field(default_factory=CodeExchangeSettings)
     fp_sync: FpSyncSettings = field(default_factory=FpSyncSettings)
     drift_check_every: int = 0
-    on_nonfinite: Literal["raise", "skip"] = "raise"
-    on_bad_payload: Literal["raise", "drop"] = "raise"
+    on_nonfinite: NonfinitePolicy = "raise"
+    on_bad_payload: BadPayloadPolicy = "raise"
     log_comm_stats: bool = True
 
     def __post_init__(self) -> None:
-        check_choice(_SETTINGS, "kind", self.kind, ("ternary", "binary"))
-        check_choice(_SETTINGS, "granularity", self.granularity, ("row", "layer"))
+        check_choice(_SETTINGS, "kind", self.kind, get_args(Kind))
+        check_choice(_SETTINGS, "granularity", self.granularity, get_args(Granularity))
         for name in ("trainable_scale", "log_comm_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{_SETTINGS}.{name}={getattr(self, name)!r}: use true or false.")
-        if self.zero_fraction is not None:
-            _check_open_fraction(_SETTINGS, "zero_fraction", self.zero_fraction, False, ", or null for rounding")
+        zero = self.zero_fraction
+        if zero is not None and not (isinstance(zero, (int, float)) and not isinstance(zero, bool) and 0 <= zero < 1):
+            raise ValueError(f"{_SETTINGS}.zero_fraction={zero!r}: use a number in [0, 1), or null for plain rounding.")
         # Stored as tuples: the settings are frozen and hashable, and a YAML list or a Python list both work.
         object.__setattr__(self, "skip", _names(_SETTINGS, "skip", self.skip))
         object.__setattr__(self, "include", _names(_SETTINGS, "include", self.include))
@@ -232,5 +228,5 @@ class SparseFlipSettings:
                     f"{_SETTINGS}.{name}={getattr(self, name)!r}: use a {group.__name__}(...) (YAML: a mapping)."
                 )
         check_int(_SETTINGS, "drift_check_every", self.drift_check_every, minimum=0, fix="0 turns the check off")
-        check_choice(_SETTINGS, "on_nonfinite", self.on_nonfinite, ("raise", "skip"))
-        check_choice(_SETTINGS, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
+        check_choice(_SETTINGS, "on_nonfinite", self.on_nonfinite, get_args(NonfinitePolicy))
+        check_choice(_SETTINGS, "on_bad_payload", self.on_bad_payload, get_args(BadPayloadPolicy))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -64,6 +64,17 @@ def test_renamed_covers_every_old_keyword_and_points_at_a_field():
 @pytest.mark.parametrize("old", sorted(OLD_DEFAULTS))
 def test_defaults_equal_the_old_keyword_defaults(old):
     assert _resolve(SparseFlipSettings(), SparseFlipSettings.RENAMED[old]) == OLD_DEFAULTS[old]
+
+
+def test_choices_are_the_ones_the_exchange_and_the_codecs_accept():
+    from lightning_hetero.comm.codecs import VALUE_ENCODINGS
+    from lightning_hetero.comm.validation import BAD_PAYLOAD_POLICIES
+    from lightning_hetero.lowbit import settings as module
+    from lightning_hetero.lowbit.sparse import EXCHANGE_MODES
+
+    assert set(get_args(module.Encoding)) == set(VALUE_ENCODINGS)
+    assert set(get_args(module.Aggregation)) == set(EXCHANGE_MODES)
+    assert set(get_args(module.BadPayloadPolicy)) == set(BAD_PAYLOAD_POLICIES)
 
 
 def test_error_feedback_defaults_on_as_the_runtime_did():
