@@ -1,10 +1,8 @@
-"""What the MatFormer callbacks share: tier lists and where they come from, the tiers a model supports, tiered
-strategies, the HF model.
+"""What the MatFormer callbacks share: tier lists, the tiers a model supports, tiered strategies, the HF model.
 
 A tier ``t`` keeps the first ``h >> t`` hidden units of every FFN (see ``docs/matformer.md``). A *tiered* strategy
 (one whose ``trainer.strategy`` has a ``tier`` attribute, e.g. ``MatFormerStrategy``) gives every rank its own fixed
-tier. :func:`callback_tiers` lets ``TierEvaluation`` and ``TierExport`` read their tiers from the MatFormer strategy
-(or a ``MatFormerSampler``), so a YAML writes the tier list once.
+tier.
 """
 
 from __future__ import annotations
@@ -17,10 +15,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
-from lightning_hetero.matformer.settings import MatFormerSettings
 
 __all__ = [
-    "callback_tiers",
     "check_tiers_fit",
     "find_hf_model",
     "is_tiered",
@@ -61,52 +57,6 @@ def validate_tiers(owner: str, tiers: Any) -> list[int]:
     if len(set(tiers)) != len(tiers):
         raise ValueError(f"{owner}(tiers={tiers!r}): tiers must be distinct; drop the duplicates.")
     return tiers
-
-
-def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> list[int]:
-    """The tiers a callback works on: ``given``, or the ones the run trains, so that a YAML writes them once.
-
-    Under ``MatFormerStrategy``: its ``settings.tiers`` (the distinct tiers, sorted; no tiers at all means ``[0]``);
-    ``given`` tiers must include every one of them (and may add more). Under another strategy: ``given``, else the
-    tiers of a ``MatFormerSampler`` among the callbacks.
-
-    Raises:
-        ValueError: ``given`` leaves out a tier the strategy trains; or no tiers are given and the run names none
-            (another strategy without a sampler, or a MatFormer strategy with ``widths`` or per-FFN tiers).
-    """
-    settings = getattr(trainer.strategy, "settings", None)
-    if isinstance(settings, MatFormerSettings):
-        trained = settings.uniform_tiers
-        if trained is None:
-            if given is not None:
-                return list(given)  # widths or per-FFN tiers name no single tier to compare with
-            which = f"widths={settings.widths}" if settings.widths is not None else f"tiers={settings.tiers}"
-            raise ValueError(
-                f"{owner}: the strategy's MatFormerSettings.{which} gives some rank per-FFN tiers or widths, which "
-                f"name no single tier to evaluate or export; pass {owner}(tiers=[...]), e.g. tiers=[0, 1]."
-            )
-        missing = [tier for tier in trained if given is not None and tier not in given]
-        if missing:
-            # Extra tiers are fine (rank 0 holds the full model, so it runs any tier, e.g. an untrained-for
-            # reference slice); leaving out a trained tier is what a tier list edited in one place only looks like.
-            raise ValueError(
-                f"{owner}(tiers={given}) differs from the tiers the strategy trains (MatFormerSettings.tiers="
-                f"{settings.tiers}, i.e. tiers {trained}): it leaves out tier(s) {missing}. Leave {owner}'s tiers out "
-                "to use the strategy's, or include every tier the strategy trains."
-            )
-        return list(given) if given is not None else trained
-    if given is not None:
-        return list(given)
-    from lightning_hetero.callbacks.tier_sampler import MatFormerSampler  # tier_sampler imports this module
-
-    samplers = [callback for callback in trainer.callbacks if isinstance(callback, MatFormerSampler)]
-    if samplers:
-        return list(samplers[0].tiers)
-    raise ValueError(
-        f"{owner}: no tiers given, and {type(trainer.strategy).__name__} is not MatFormerStrategy (whose "
-        f"settings.tiers would be read) and no MatFormerSampler trains tiers here; pass {owner}(tiers=[0, 1, 2, 3]) "
-        "(tier t keeps h >> t FFN units)."
-    )
 
 
 def validate_limit(owner: str, limit_batches: Any) -> None:

@@ -19,7 +19,6 @@ from lightning_hetero.callbacks.eval_report import (
     validation_loader,
 )
 from lightning_hetero.callbacks.tier_common import (
-    callback_tiers,
     check_tiers_fit,
     is_tiered,
     runnable,
@@ -27,6 +26,7 @@ from lightning_hetero.callbacks.tier_common import (
     validate_limit,
     validate_tiers,
 )
+from lightning_hetero.callbacks.tier_source import callback_tiers
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.slicing import tier_view
 

@@ -13,7 +13,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hetero.callbacks.tier_common import callback_tiers, check_tiers_fit, find_hf_model, validate_tiers
+from lightning_hetero.callbacks.tier_common import check_tiers_fit, find_hf_model, validate_tiers
+from lightning_hetero.callbacks.tier_source import callback_tiers
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.export import export_tier
 
