@@ -273,8 +273,23 @@ class FaultTolerantReplica:
         """Route ``replicator``'s collectives through the Manager (:meth:`launch`) instead of its process group.
 
         An instance-level ``launch``: the replicator and the optimizer that owns it stay unchanged, and its
-        ``finish`` decodes the completed bucket as usual.
+        ``finish`` decodes the completed bucket as usual. DiLoCo with ``outer_compression`` routes its outer DeMo
+        codec (inner steps send nothing).
+
+        Raises:
+            NotImplementedError: Plain DiLoCo: its dense outer mean calls ``FullReplicator.launch`` on the class,
+                which an instance-level ``launch`` cannot reach (it needs a collectives hook in ``Replicator.launch``).
         """
+        from lightning_hetero.replication import DiLoCoReplicator
+
+        if isinstance(replicator, DiLoCoReplicator):
+            if replicator.outer_codec is None:
+                raise NotImplementedError(
+                    "FaultTolerantReplica.manage(DiLoCoReplicator): plain DiLoCo's outer mean cannot be routed through"
+                    " the torchft Manager yet; use outer_compression (DeMo + DiLoCo), or replication kind 'full' /"
+                    " 'demo' in the fault-tolerant mode."
+                )
+            replicator = replicator.outer_codec
         replicator.launch = functools.partial(self.launch, replicator)  # type: ignore[method-assign]
 
     def step_optimizer(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import pickle
 import threading
 from collections.abc import Callable
@@ -189,3 +190,17 @@ def test_an_uncommitted_demo_step_leaves_weights_and_state_untouched(lighthouse)
         assert optimizer.replicator.step == 0 and state["replicator"]["step"] == 0
         for key, entry in optimizer.state_dict()["state"].items():
             assert torch.equal(entry["delta"], state["state"][key]["delta"])  # momentum + error feedback restored
+
+
+def test_plain_diloco_is_refused_by_manage_with_the_alternatives(lighthouse):
+    from lightning_hetero.replication import DiLoCoReplicator
+
+    replica, _, _ = _replica(lighthouse, "solo", 0)
+    try:
+        with pytest.raises(NotImplementedError, match="use outer_compression"):
+            replica.manage(DiLoCoReplicator(0.25))
+        compressed = DiLoCoReplicator(0.25, outer_compression=0.25, outer_chunk=4)
+        replica.manage(compressed)
+        assert isinstance(compressed.outer_codec.launch, functools.partial)
+    finally:
+        replica.shutdown()
