@@ -52,8 +52,7 @@ class FlexDeMoSettings:
     RENAMED: ClassVar[dict[str, str]] = {
         "replicator": "settings.replication.kind",
         "compression": "settings.replication.kept_fraction",
-        "replicator_options": "settings.replication (fields: values, chunk, index_bits, combine, seed, sync_every, "
-        "outer_lr, outer_momentum, outer_kept_fraction, outer_chunk)",
+        "replicator_options": "settings.replication",  # same keys, but outer_compression is outer_kept_fraction
         "shard_size": "settings.shard_size",
         "drift_check_every": "settings.drift_check_every",
         "overlap": "settings.overlap",
