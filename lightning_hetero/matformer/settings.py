@@ -141,17 +141,11 @@ class MatFormerSettings:
             return None
         return sorted(set(self.tiers))  # type: ignore[arg-type]
 
-    @property
-    def kept_fraction(self) -> float:
-        """``mode="demo"``: the fraction of DCT coefficients kept per chunk."""
-        return (self.replication or ReplicationSettings()).kept_fraction
-
     # ------------------------------------------------------------------------------------------------ checks
     def _check_helpers(self) -> None:
         fraction = self.helper_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction):
-            raise ValueError(f"{_OWNER}.helper_fraction={fraction!r}: use a number >= 0 (0 turns helpers off).")
-        if fraction < 0:
+        number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+        if not (number and math.isfinite(fraction) and fraction >= 0):
             raise ValueError(f"{_OWNER}.helper_fraction={fraction!r}: use a number >= 0 (0 turns helpers off).")
         object.__setattr__(self, "helper_fraction", float(fraction))
         if fraction > 0 and self.slice_weights:

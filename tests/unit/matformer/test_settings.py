@@ -85,9 +85,14 @@ def test_defaults_are_the_behaviour_of_0_1():
     assert settings.slice_weights is True and settings.log_tier_losses is False
     assert settings.on_bad_payload == "raise" and settings.replication is None
     # mode="demo" without replication: 1/32 of the DCT coefficients per 64x64 chunk, fp32 values, index bits from chunk
-    assert settings.kept_fraction == 1 / 32
     demo = ReplicationSettings()
-    assert (demo.chunk, demo.values, demo.index_bits, demo.combine) == (64, "fp32", None, "mean")
+    assert (demo.kept_fraction, demo.chunk, demo.values, demo.index_bits, demo.combine) == (
+        1 / 32,
+        64,
+        "fp32",
+        None,
+        "mean",
+    )
     for cls in STRATEGIES:
         assert cls().settings == settings
     assert MatFormerRuntime(settings).owner == "MatFormerStrategy"
