@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "recipes" / "spot_worker.py"
@@ -177,17 +178,29 @@ def faulty_run(lighthouse: str, out: Path, timeout_s: float) -> dict:
     }
 
 
-def same_tokens_reference(out: Path) -> float:
-    """Validation loss of a one-process run without faults on exactly the batches the faulty run committed."""
+def same_tokens_reference(out: Path) -> tuple[float, int, int]:
+    """A one-process run without faults on exactly the batches the faulty run committed: its validation loss, and
+    at how many of the committed steps its weights equal the faulty run's bit for bit (of how many)."""
     sys.path.insert(0, str(WORKER.parent))
     import spot_worker
 
-    committed: dict[int, list[int]] = {}
+    committed: dict[int, list[dict]] = {}
     for node in range(NODES):
         for record in _steps(out, node):
-            committed.setdefault(record["step"], []).append(node)
-    schedule = [(step, sorted(nodes)) for step, nodes in sorted(committed.items())]
-    return spot_worker.validation_loss(spot_worker.replay(schedule))
+            committed.setdefault(record["step"], []).append({**record, "node": node})
+    schedule = []
+    for step, records in sorted(committed.items()):
+        nodes = sorted(r["node"] for r in records)
+        if max(r["participants"] for r in records) == NODES:  # a node killed right after the exchange left no record
+            nodes = list(range(NODES))
+        schedule.append((step, nodes))
+    equal = []
+
+    def compare(step: int, model: Any) -> None:
+        equal.append(spot_worker.digest(model) in {r["digest"] for r in committed[step]})
+
+    model = spot_worker.replay(schedule, on_step=compare)
+    return spot_worker.validation_loss(model), sum(equal), len(equal)
 
 
 def reference_run(lighthouse: str, out: Path, timeout_s: float, steps: int) -> float:
@@ -214,11 +227,12 @@ def main() -> int:
     lighthouse = subprocess.Popen(lighthouse_command, env={**os.environ, "RUST_LOG": "warn"})
     address = f"http://localhost:{port}"
     started = time.time()
+    revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     try:
         with TemporaryDirectory() as tmp:
             work = args.work or Path(tmp)
             faulty = faulty_run(address, work / "faulty", args.timeout)
-            same_tokens = same_tokens_reference(work / "faulty")
+            same_tokens, replay_equal, replay_steps = same_tokens_reference(work / "faulty")
             reference = reference_run(address, work / "reference", args.timeout, faulty["final_step"])
     finally:
         lighthouse.terminate()
@@ -242,14 +256,13 @@ def main() -> int:
         "val_loss_gap_pct": round(100 * (faulty["final_val_loss"] - same_tokens) / same_tokens, 3),
         "val_loss_all_replicas_every_step": reference,
         "val_loss_gap_pct_vs_all_replicas": round(100 * (faulty["final_val_loss"] - reference) / reference, 3),
+        "same_tokens_replay_bit_identical_steps": f"{replay_equal}/{replay_steps}",
         "pickle_free_transport": True,  # every worker ran with --forbid-pickle and every rejoin healed
         "timeout_s": args.timeout,
         "steps": faulty["final_step"],
         "faults": faulty["faults"],
         "wall_s": round(time.time() - started, 1),
-        "git_revision": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
-        ).stdout.strip(),
+        "git_revision": revision.stdout.strip(),
         "machine": f"localhost, {os.cpu_count()} CPU cores, gloo",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

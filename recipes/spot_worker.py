@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,9 +62,15 @@ def build(hidden: int = 16, lr: float = 0.02, seed: int = 1000) -> tuple[torch.n
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def replay(schedule: list[tuple[int, list[int]]], hidden: int = 16, lr: float = 0.02) -> torch.nn.Module:
+def replay(
+    schedule: list[tuple[int, list[int]]],
+    hidden: int = 16,
+    lr: float = 0.02,
+    on_step: Callable[[int, torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
     """Train in one process, without faults, on exactly the batches of ``schedule``: (committed step, replicas whose
-    batches were averaged at it). The reference a fault-tolerant run is compared with (same tokens)."""
+    batches were averaged at it). The reference a fault-tolerant run is compared with (same tokens). ``on_step`` is
+    called after every step with the step and the model."""
     model, optimizer = build(hidden, lr)
     for step, replicas in schedule:
         grads = []
@@ -78,6 +85,8 @@ def replay(schedule: list[tuple[int, list[int]]], hidden: int = 16, lr: float = 
             param.grad = mean[offset : offset + param.numel()].view_as(param).clone()
             offset += param.numel()
         optimizer.step()
+        if on_step is not None:
+            on_step(step, model)
     return model
 
 
@@ -115,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.forbid_pickle:
         forbid_pickle()
 
-    torch.manual_seed(1000 + args.replica_id)  # different inits: only the init sync / healing makes them equal
-    model = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 1)
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer = build(args.hidden, args.lr)
     settings = FaultToleranceSettings(
         lighthouse=args.lighthouse,
         min_replicas=args.min_replicas,
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     "participants": replica.num_participants(),
                     "pid": os.getpid(),
                     "time": time.time(),
-                    "loss": float(loss),
+                    "loss": float(loss.detach()),
                     "digest": digest(model),
                 }
                 log.write(json.dumps(record) + "\n")
