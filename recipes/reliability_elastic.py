@@ -66,20 +66,26 @@ def _latest_checkpoint(root: Path) -> Path | None:
     return None
 
 
+def build_strategy(pg_timeout: float) -> Any:
+    """The workers' Fabric ``FlexDeMoStrategy``: DeMo at 1/4, no overlap, a ``pg_timeout`` s collective timeout."""
+    from lightning_hetero.flexdemo.settings import FlexDeMoSettings
+    from lightning_hetero.replication.settings import ReplicationSettings
+    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
+
+    settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo", kept_fraction=1 / 4), overlap=False)
+    return FlexDeMoStrategy(settings=settings, timeout=timedelta(seconds=pg_timeout))
+
+
 def worker(args: argparse.Namespace) -> None:
     spawned = time.time()  # before torch is imported: the moment the agent (re)started this process
     import torch
     from lightning.fabric import Fabric
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
-
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    strategy = FlexDeMoStrategy(
-        replicator="demo", compression=1 / 4, overlap=False, timeout=timedelta(seconds=args.pg_timeout)
-    )
+    strategy = build_strategy(args.pg_timeout)
     fabric = Fabric(accelerator="cpu", devices=1, num_nodes=world, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
@@ -257,7 +263,10 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": "python recipes/reliability_elastic.py",
         "launcher": "torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d --max-restarts=3 (2 agents)",
-        "strategy": "FlexDeMoStrategy(replicator='demo', compression=1/4), Fabric, tiny Llama (2 layers, hidden 32)",
+        "strategy": (
+            "FlexDeMoStrategy(settings=FlexDeMoSettings(replication=ReplicationSettings(kind='demo',"
+            " kept_fraction=1/4), overlap=False)), Fabric, tiny Llama (2 layers, hidden 32)"
+        ),
         "settings": {
             k: getattr(args, k) for k in ("steps", "every", "kill_at", "step_pause", "pg_timeout", "last_call")
         },

@@ -133,13 +133,18 @@ def build_strategy(name: str, timeout: float) -> Any:
 
         return MatFormerStrategy(**common)
     if name == "subspace":
-        from lightning_hetero import SubspacePipelineStrategy
+        from lightning_hetero import SubspacePipelineSettings, SubspacePipelineStrategy
+        from lightning_hetero.pipeline.settings import PipelineSettings
 
         replicas = max(1, int(os.environ.get("WORLD_SIZE", "2")) // 2)
-        return SubspacePipelineStrategy(num_stages=2, data_parallel_size=replicas, rank=8, n_microbatches=2, **common)
-    from lightning_hetero import SparseFlipStrategy
+        pipeline = PipelineSettings(num_stages=2, data_parallel_size=replicas)
+        settings = SubspacePipelineSettings(pipeline=pipeline, subspace_dim=8, n_microbatches=2)
+        return SubspacePipelineStrategy(settings=settings, **common)
+    from lightning_hetero import SparseFlipSettings, SparseFlipStrategy
+    from lightning_hetero.lowbit.settings import FlipSettings
 
-    return SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, **common)
+    settings = SparseFlipSettings(flip=FlipSettings(max_per_step=16, bop_gamma=0.3))
+    return SparseFlipStrategy(settings=settings, **common)
 
 
 class FaultsAndRecords(L.Callback):

@@ -42,24 +42,41 @@ LLAMA = {
 def _strategy(case: str) -> Any:
     """The strategy of ``case`` (built inside the rank: strategies are not shared between fits)."""
     if case.startswith("flexdemo"):
+        from lightning_hetero.flexdemo.settings import FlexDeMoSettings
+        from lightning_hetero.replication.settings import ReplicationSettings
         from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 
         if case == "flexdemo/diloco":
-            options = {"sync_every": 3, "outer_lr": 0.8, "outer_momentum": 0.5}
-            return FlexDeMoStrategy(replicator="diloco", replicator_options=options, shard_size=1)
-        return FlexDeMoStrategy(replicator="demo", compression=1 / 8, shard_size=1, drift_check_every=4)
+            diloco = ReplicationSettings(kind="diloco", sync_every=3, outer_lr=0.8, outer_momentum=0.5)
+            return FlexDeMoStrategy(settings=FlexDeMoSettings(replication=diloco, shard_size=1))
+        demo = ReplicationSettings(kind="demo", kept_fraction=1 / 8)
+        return FlexDeMoStrategy(settings=FlexDeMoSettings(replication=demo, shard_size=1, drift_check_every=4))
     if case == "matformer/mixed-tiers":
+        from lightning_hetero.matformer.settings import MatFormerSettings
+        from lightning_hetero.replication.settings import ReplicationSettings
         from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy
 
-        return MatFormerStrategy(tiers=[0, 1], mode="demo", compression=0.25)
+        replication = ReplicationSettings(kept_fraction=0.25)
+        return MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1], mode="demo", replication=replication))
     if case == "subspace/pipeline":
+        from lightning_hetero.pipeline.settings import PipelineSettings
         from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
+        from lightning_hetero.subspace.settings import SubspacePipelineSettings
 
-        return SubspacePipelineStrategy(num_stages=2, rank=8, n_microbatches=2, update_every=3)
+        settings = SubspacePipelineSettings(
+            pipeline=PipelineSettings(num_stages=2), subspace_dim=8, n_microbatches=2, update_every=3
+        )
+        return SubspacePipelineStrategy(settings=settings)
     if case == "sparseflip/low-bit":
+        from lightning_hetero.lowbit.settings import FlipSettings, FpSyncSettings, SparseFlipSettings
         from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
 
-        return SparseFlipStrategy(flips_per_step=16, bop_gamma=0.3, drift_check_every=4, fp_density=0.25)
+        settings = SparseFlipSettings(
+            flip=FlipSettings(max_per_step=16, bop_gamma=0.3),
+            fp_sync=FpSyncSettings(kept_fraction=0.25),
+            drift_check_every=4,
+        )
+        return SparseFlipStrategy(settings=settings)
     raise ValueError(f"Unknown resume case {case!r}; pick one of {sorted(CASES)}.")
 
 

@@ -29,10 +29,15 @@ import torch
 from lightning.fabric import Fabric
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.flexdemo.sharding import local_tensor
+from lightning_hetero.matformer.settings import MatFormerSettings
+from lightning_hetero.pipeline.settings import PipelineSettings
+from lightning_hetero.replication.settings import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
 from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy
 from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy
+from lightning_hetero.subspace.settings import SubspacePipelineSettings
 from lightning_hetero.testing import run_distributed
 from tests.token_data import VOCAB, progressions
 
@@ -67,7 +72,9 @@ def _expect_error(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ FlexDeMo
 def _flexdemo_fabric(ranks_per_node: int, world_size: int) -> tuple[Fabric, Any, Any]:
-    strategy = FlexDeMoStrategy(replicator="demo", compression=1 / 4, shard_size=ranks_per_node, overlap=False)
+    replication = ReplicationSettings(kind="demo", kept_fraction=1 / 4)
+    settings = FlexDeMoSettings(replication=replication, shard_size=ranks_per_node, overlap=False)
+    strategy = FlexDeMoStrategy(settings=settings)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
@@ -125,7 +132,7 @@ def _batch(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _matformer_run(rank: int, out: Path, layout: tuple[int, int], steps: int, load: bool) -> dict[str, Any]:
-    strategy = MatFormerStrategy(tiers=TIERS[layout])
+    strategy = MatFormerStrategy(settings=MatFormerSettings(tiers=TIERS[layout]))
     fabric = Fabric(accelerator="cpu", devices=layout[0] * layout[1], strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
@@ -155,8 +162,9 @@ def _matformer_run(rank: int, out: Path, layout: tuple[int, int], steps: int, lo
 
 # ------------------------------------------------------------------------------------------------ subspace
 def _subspace_run(rank: int, out: Path, num_stages: int, world_size: int, load: bool) -> dict[str, Any]:
+    pipeline = PipelineSettings(num_stages=num_stages, data_parallel_size=world_size // num_stages)
     strategy = SubspacePipelineStrategy(
-        num_stages=num_stages, rank=8, n_microbatches=2, data_parallel_size=world_size // num_stages
+        settings=SubspacePipelineSettings(pipeline=pipeline, subspace_dim=8, n_microbatches=2)
     )
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
