@@ -72,19 +72,13 @@ class DecoupledRuntime(StrategyRuntime):
             raise TypeError(f"{owner}: settings={settings!r}; use LayerwiseSettings(...).")
         self.settings = settings
         self.owner = owner
-        pipeline = settings.pipeline
-        self.boundaries = None if settings.boundaries is None else list(settings.boundaries)
-        self.layout = PipelineLayout(pipeline.num_stages, pipeline.data_parallel_size)
-        self.aux_head, self.aux_outputs, self.mode = settings.aux_head, settings.aux_outputs, settings.mode
-        self.replay_capacity, self.max_in_flight = settings.replay_capacity, settings.max_in_flight
-        self.activation_dtype = pipeline.boundary_dtype
-        self.on_bad_payload = settings.on_bad_payload
+        self.layout = PipelineLayout(settings.pipeline.num_stages, settings.pipeline.data_parallel_size)
         self._expected: dict[tuple, tuple[int, ...]] = {}  # per-sample input shape of this stage, per batch signature
         self.groups: PipelineGroups | None = None
         self.stack: Any | None = None
         self.container: DGLStageModel | None = None
-        self.buffer = ReplayBuffer(self.replay_capacity)
-        self.ring = BatchRing(self.replay_capacity)
+        self.buffer = ReplayBuffer(self.settings.replay_capacity)
+        self.ring = BatchRing(self.settings.replay_capacity)
         self._links: dict[str, ActivationLink] = {}
         self.steps = 0
         """Training steps done by this stage (checkpointed)."""
@@ -139,10 +133,15 @@ class DecoupledRuntime(StrategyRuntime):
         if key not in self._links:
             groups = self._groups
             peer = groups.next_rank if direction == "out" else groups.prev_rank
-            asynchronous = self.mode == "async" and tag == TRAIN_TAG
-            policy = self.on_bad_payload if asynchronous else "raise"
+            asynchronous = self.settings.mode == "async" and tag == TRAIN_TAG
+            policy = self.settings.on_bad_payload if asynchronous else "raise"
             link = ActivationLink(
-                peer, self.activation_dtype, tag, asynchronous, self.max_in_flight, on_bad_payload=policy
+                peer,
+                self.settings.pipeline.boundary_dtype,
+                tag,
+                asynchronous,
+                self.settings.max_in_flight,
+                on_bad_payload=policy,
             )
             if tag == TRAIN_TAG:  # one training message per step and boundary: count from the (resumed) step
                 link.messages_sent = link.messages_received = self.steps
@@ -158,8 +157,8 @@ class DecoupledRuntime(StrategyRuntime):
             role, peer = None, None
             if self.num_stages > 1 and global_rank in (sender, receiver):
                 role, peer = ("send", receiver) if global_rank == sender else ("receive", sender)
-            lag = (self.num_stages - 1) * (self.max_in_flight + 1)  # how far stage 0 can run ahead anyway
-            self.loss_report = ModelLossReport(role, peer, device, lag, window=lag + self.replay_capacity + 1)
+            lag = (self.num_stages - 1) * (self.settings.max_in_flight + 1)  # how far stage 0 can run ahead anyway
+            self.loss_report = ModelLossReport(role, peer, device, lag, window=lag + self.settings.replay_capacity + 1)
         existing = find_dgl_stage(module)
         if existing is not None:
             if existing.num_stages != self.num_stages:
@@ -170,7 +169,13 @@ class DecoupledRuntime(StrategyRuntime):
             self.container = existing
             return module
         self.stack, self.container = build_dgl_stage(
-            module, self.num_stages, self.stage_index, self.boundaries, self.aux_head, self.aux_outputs, device
+            module,
+            self.num_stages,
+            self.stage_index,
+            self.settings.boundaries,
+            self.settings.aux_head,
+            self.settings.aux_outputs,
+            device,
         )
         if self.data_parallel_size > 1 and self._groups.dp_group is not None:
             source = self.layout.global_rank(self.stage_index, 0)
@@ -192,7 +197,7 @@ class DecoupledRuntime(StrategyRuntime):
     def _local_loss(self, hidden: Tensor, batch: Mapping[str, Any]) -> Tensor:
         logits = self.stage.head(hidden)
         if not self._head_checked:
-            check_head_output(logits, self._stack.num_outputs, self.stage_index, self.aux_head)
+            check_head_output(logits, self._stack.num_outputs, self.stage_index, self.settings.aux_head)
             self._head_checked = True
         return self._stack.loss(logits, batch)
 
@@ -222,7 +227,7 @@ class DecoupledRuntime(StrategyRuntime):
             return None, batch, step
         device, dtype = self._device(batch), self._dtype()
         link = self._link("in", TRAIN_TAG)
-        if self.mode == "sync":
+        if self.settings.mode == "sync":
             size, sample = self._expect(batch)
             return link.receive(size, batch_signature(batch), device, dtype, sample), batch, step
         self.ring.add(step, batch)
@@ -280,7 +285,7 @@ class DecoupledRuntime(StrategyRuntime):
         if out is not None:
             out.flush_sends()
         link = self._links.get(f"in{TRAIN_TAG}")
-        if link is not None and self.mode == "async" and self.container is not None:
+        if link is not None and self.settings.mode == "async" and self.container is not None:
             device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
             for produced, activations in link.drain_until(self.steps, device, self._dtype(), self._expect_step):
                 self.buffer.push(produced, activations)
@@ -370,9 +375,9 @@ class DecoupledRuntime(StrategyRuntime):
             "data_parallel_size": self.data_parallel_size,
             "signature": getattr(stack, "signature", None),
             "family": getattr(stack, "family", None),
-            "aux_head": self.aux_head,
-            "mode": self.mode,
-            "activation_dtype": self.activation_dtype,
+            "aux_head": self.settings.aux_head,
+            "mode": self.settings.mode,
+            "activation_dtype": self.settings.pipeline.boundary_dtype,
         }
 
     def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any]:

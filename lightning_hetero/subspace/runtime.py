@@ -76,7 +76,6 @@ class SubspacePipelineRuntime(StrategyRuntime):
             raise TypeError(f"{owner}: settings={settings!r}; use SubspacePipelineSettings(...).")
         self.settings = settings
         self.owner = owner
-        self.schedule = settings.schedule
         self.config = SubspaceConfig(
             rank=settings.subspace_dim,
             compression=settings.resolved_dim_ratio(),
@@ -88,7 +87,6 @@ class SubspacePipelineRuntime(StrategyRuntime):
             update_lr=settings.update_lr,
         )
         self.layout = PipelineLayout(settings.pipeline.num_stages, settings.pipeline.data_parallel_size)
-        self.n_microbatches = settings.num_microbatches
         self.groups: PipelineGroups | None = None
         self.executor: PipelineExecutor | None = None
         self.container: PipelineStageModel | None = None
@@ -171,7 +169,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
             self.container = existing
             layers = int(existing.config.num_hidden_layers)
             self.layer_ranges = [tuple(r) for r in split_layers(layers, self.num_stages)]
-            self.executor = PipelineExecutor(existing.stage, self.groups, self.schedule)
+            self.executor = PipelineExecutor(existing.stage, self.groups, self.settings.schedule)
             return module
         from lightning_hetero.subspace.stages import build_stages
 
@@ -189,7 +187,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
         stage = stage.to(device)
         self.container = PipelineStageModel(stage, hf_model.config, self.stage_index, self.num_stages)
         self._sync_replicas()
-        self.executor = PipelineExecutor(stage, self.groups, self.schedule)
+        self.executor = PipelineExecutor(stage, self.groups, self.settings.schedule)
         if parent is None:
             hollow_into(module, self.container)
         else:
@@ -249,7 +247,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
             module: The user's module (looked up for a ``pipeline_loss`` override).
         """
         executor = self._executor
-        chunks = split_batch(batch, self.n_microbatches, self.owner)
+        chunks = split_batch(batch, self.settings.num_microbatches, self.owner)
         tracking = self._start_tracking()
         losses = executor.train(chunks, self._loss_fn(module, chunks))
         loss = self._broadcast_loss(losses, chunks[0]["input_ids"].device)
@@ -264,7 +262,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
     def eval_step(self, batch: Any, module: nn.Module | None = None) -> Tensor:
         """Forward-only pass over every microbatch; returns the batch loss on every rank (as in :meth:`train_step`)."""
         executor = self._executor
-        chunks = split_batch(batch, self.n_microbatches, self.owner)
+        chunks = split_batch(batch, self.settings.num_microbatches, self.owner)
         custom = getattr(module, "pipeline_loss", None) if module is not None else None
         if custom is not None:
             scale = 1.0 / len(chunks)
@@ -378,8 +376,8 @@ class SubspacePipelineRuntime(StrategyRuntime):
             "seed": self.config.seed,
             "coord_dtype": self.config.coord_dtype,
             "update_every": self.config.update_every,
-            "schedule": self.schedule,
-            "n_microbatches": self.n_microbatches,
+            "schedule": self.settings.schedule,
+            "n_microbatches": self.settings.num_microbatches,
             "model_type": getattr(hf_config, "model_type", None),
         }
 

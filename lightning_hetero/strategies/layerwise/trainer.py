@@ -125,5 +125,5 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
         model_loss = self.runtime.model_loss
         if model_loss is not None:
             module.log("train/model_loss", model_loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
-        if self.runtime.mode == "async":
+        if self.settings.mode == "async":
             module.log("train/staleness", float(self.runtime.last_staleness), on_step=True, batch_size=size)

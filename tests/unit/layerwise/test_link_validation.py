@@ -124,14 +124,15 @@ def test_drop_needs_asynchronous_mode_and_a_known_policy() -> None:
     with pytest.raises(ValueError, match="on_bad_payload='drop'"):
         ActivationLink(1, on_bad_payload="drop")
     assert ActivationLink(1, asynchronous=True, on_bad_payload="drop").on_bad_payload == "drop"
-    assert DecoupledRuntime(LayerwiseSettings(mode="async", on_bad_payload="drop")).on_bad_payload == "drop"
+    runtime = DecoupledRuntime(LayerwiseSettings(mode="async", on_bad_payload="drop"))  # accepted asynchronously
+    assert runtime.settings.on_bad_payload == "drop"
 
 
 @pytest.mark.parametrize("strategy_class", [LayerwiseStrategy, FabricLayerwise])
 def test_the_strategies_hand_the_policy_to_the_runtime(strategy_class: type) -> None:
     settings = LayerwiseSettings(mode="async", on_bad_payload="drop")
-    assert strategy_class(settings=settings).runtime.on_bad_payload == "drop"
-    assert strategy_class().runtime.on_bad_payload == "raise"
+    assert strategy_class(settings=settings).runtime.settings.on_bad_payload == "drop"
+    assert strategy_class().runtime.settings.on_bad_payload == "raise"
 
 
 # ------------------------------------------------------------------------------------------------ announced sizes

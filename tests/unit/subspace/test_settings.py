@@ -60,7 +60,7 @@ def test_defaults_are_those_of_0_1() -> None:
     assert settings.num_microbatches == 2  # n_microbatches=None: one per stage
     runtime = SubspacePipelineRuntime(settings)
     assert runtime.config.compression == 16.0 and runtime.config.rank is None  # d/k = 16 when no size is given
-    assert runtime.n_microbatches == 2 and runtime.schedule == "1f1b" and runtime.num_stages == 2
+    assert runtime.num_stages == 2 and runtime.data_parallel_size == 1
     plain = SubspacePipelineRuntime(SubspacePipelineSettings(compress=False))
     assert plain.config.compression is None and not plain.config.compress
 
@@ -79,7 +79,7 @@ def test_the_runtime_reads_every_field() -> None:
     assert settings.schedule == "gpipe"  # the canonical spelling
     runtime = SubspacePipelineRuntime(settings)
     assert runtime.settings is settings
-    assert (runtime.num_stages, runtime.data_parallel_size, runtime.n_microbatches) == (3, 2, 6)
+    assert (runtime.num_stages, runtime.data_parallel_size) == (3, 2)
     config = runtime.config
     assert (config.rank, config.compression, config.coord_dtype, config.mode) == (8, None, "int8", "projected")
     assert (config.update_every, config.update_lr, config.seed) == (4, 0.25, 7)
