@@ -226,3 +226,21 @@ def test_fuzz_every_mutated_blob_is_decoded_within_the_rule_or_refused(sent, lay
 def test_the_format_constants_are_in_the_blob(sent):
     header, _ = _parts(sent[1])
     assert header["__metadata__"]["format"] == FORMAT and header["__metadata__"][STEP_KEY] == "7"
+
+
+def test_lazily_created_per_parameter_tensors_must_have_the_parameters_shape():
+    """DiLoCo's anchors appear at the first sync: a fresh receiver has none, a peer's must match the parameters."""
+    anchors = ("user", "default", "optimizer", "replicator", "anchors")
+
+    def state(values: dict) -> dict:
+        replicator = {"name": "diloco", "step": 4, "anchors": values}
+        return {"user": {"default": {"optimizer": {"replicator": replicator}}}, "torchft": {"step": 4}}
+
+    layout = StateLayout.of(state({}), {anchors: {0: (3, 2), 1: (2,)}})
+    good = {0: torch.ones(3, 2), 1: torch.zeros(2)}
+    got = decode_state(encode_state(state(good), 4), layout, peer=PEER, step=4)
+    assert torch.equal(got["user"]["default"]["optimizer"]["replicator"]["anchors"][0], good[0])
+    for bad, field in [({0: torch.ones(2, 3)}, "/".join(anchors) + "/0"), ({5: torch.ones(2)}, "/".join(anchors))]:
+        with pytest.raises(PeerPayloadError) as caught:
+            decode_state(encode_state(state(bad), 4), layout, peer=PEER, step=4)
+        assert (caught.value.peer, caught.value.field) == (PEER, field), str(caught.value)
