@@ -5,13 +5,19 @@
 strategy is constructed), builds the ``(replicate, shard)`` mesh, shards the model copy with FSDP2 and broadcasts
 the first replica's state, converts and binds the optimizer, installs the overlap hooks, clips with the node's
 gradient norm, runs the drift guard and reports communication statistics. The adapters decide *when*.
+
+With ``settings.fault_tolerance`` (the spot-worker mode, ``docs/spot.md``) each launch is one replica group of one
+rank: the optimizer's replicator exchanges through a :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica`
+(torchft's Manager, the mean over the replicas present this step) instead of a replicate process group, and the
+adapters gate each optimizer step on the quorum's commit (:meth:`FlexDeMoRuntime.start_replica_step`,
+:meth:`FlexDeMoRuntime.committed_step`).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +84,7 @@ class FlexDeMoRuntime(StrategyRuntime):
         self.block_source = "none"
         self.units: list[ShardingUnit] = []
         self.module: nn.Module | None = None
+        self.device = torch.device("cpu")
         self.optimizer: ReplicatingOptimizer | None = None
         self.conversion = ""
         """What happened to the user's optimizer (e.g. ``"AdamW converted to DecoupledAdamW (2 param group(s))"``)."""
@@ -87,6 +94,15 @@ class FlexDeMoRuntime(StrategyRuntime):
         """Optimizer steps completed (drives the drift guard)."""
         self._inter_sent_before = 0
         self._drift_due = False
+        self.replica: Any | None = None
+        """The :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` in the fault-tolerant mode (from
+        :meth:`prepare_optimizer` to :meth:`teardown`), else None."""
+        self.recovery_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        """Name -> (get, set) of further state a joining replica takes from a live peer (e.g. LR schedulers)."""
+        self.replica_step_open = False
+        """Fault-tolerant mode: this step's quorum was joined and its optimizer step has not run yet."""
+        self.last_commit: bool | None = None
+        """Fault-tolerant mode: whether the last optimizer step was committed (None before the first)."""
 
     # ------------------------------------------------------------------------------------------------ config
     @property
@@ -117,8 +133,30 @@ class FlexDeMoRuntime(StrategyRuntime):
         return self.shard_size
 
     def resolve_launch(self, world: WorldLayout) -> None:
-        """Check ``shard_size`` against the ranks per node of the launch."""
+        """Check ``shard_size`` against the ranks per node of the launch (and the fault-tolerant mode's layout)."""
+        self._check_fault_tolerant_world(world.num_nodes, world.ranks_per_node)
         self.resolve_world(world.world_size, world.ranks_per_node)
+
+    def _check_fault_tolerant_world(self, nodes: int, ranks: int) -> None:
+        """The fault-tolerant mode runs one launch per replica group (node) of one rank; raise naming the fix."""
+        if self.settings.fault_tolerance is None:
+            return
+        if nodes > 1:
+            raise ValueError(
+                f"{self.owner}(settings.fault_tolerance=...): this launch spans {nodes} nodes, but in the "
+                "fault-tolerant mode every node is its own replica group and its own launch (a node may die and "
+                "rejoin without the others restarting). Start one job per node with num_nodes=1 (torchrun "
+                "--nnodes 1 / Trainer(num_nodes=1)) and a distinct REPLICA_GROUP_ID each, all pointing at the same "
+                "lighthouse; see docs/spot.md."
+            )
+        if ranks > 1:
+            raise ValueError(
+                f"{self.owner}(settings.fault_tolerance=...): {ranks} ranks in one replica group. The fault-tolerant "
+                "mode supports one rank per replica group for now: the recovery checkpoint carries plain tensors, not "
+                "FSDP2 DTensor shards (each rank's local shard matched by group rank is not implemented). Use "
+                "devices=1 (torchrun --nproc-per-node 1) per replica group, or drop settings.fault_tolerance to use "
+                "FSDP2 inside a node with torchrun restarts."
+            )
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
@@ -132,13 +170,17 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.module is not None:
             raise RuntimeError(f"{self.owner} shards one model; setup was already called.")
         _, world_size = process_rank_and_size()
+        self._check_fault_tolerant_world(1, world_size)  # torchrun's world, whatever the Trainer was told
         if self.shard_size is None or world_size % self.shard_size:
             self.resolve_world(world_size, world_size)
         assert self.shard_size is not None
         self.topology = build_topology(device, self.shard_size)
-        if self.topology.num_replicas == 1 and self.compresses and not self.replicator_chosen:
+        self.device = device
+        # Fault-tolerant mode: the model copies are the replica groups behind the lighthouse, not this launch's ranks.
+        single_copy = self.topology.num_replicas == 1 and self.settings.fault_tolerance is None
+        if single_copy and self.compresses and not self.replicator_chosen:
             self._use_dense_replicator()
-        if self.topology.num_replicas == 1 and self.compresses:
+        if single_copy and self.compresses:
             warnings.warn(
                 f"{self.owner}(replication.kind={self.replicator_name!r}): the run has a single model copy "
                 f"({self.topology.world_size} rank(s), shard_size={self.topology.shard_size}), so nothing crosses "
@@ -180,14 +222,87 @@ class FlexDeMoRuntime(StrategyRuntime):
             raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
         converted, self.conversion = convert_optimizer(optimizer, self.make_replicator, self.owner)
         converted.replicator.set_bad_payload_policy(self.settings.on_bad_payload)  # also a user-built replicator
-        converted.bind(self.topology.replicate_group)
+        self.overlap_active = self.settings.overlap if overlap is None else bool(overlap)
+        if self.settings.fault_tolerance is not None:
+            self._start_replica(converted)
+            # Exchanges through the Manager are synchronous (nothing to hide), and an exchange launched during
+            # backward would update error feedback before the step's state copy could be taken (Fabric).
+            self.overlap_active = False
+        else:
+            converted.bind(self.topology.replicate_group)
         self.optimizer = converted
         owned = {id(p) for group in converted.param_groups for p in group["params"]}
         units = [ShardingUnit(u.name, [p for p in u.params if id(p) in owned]) for u in self.units]
-        self.overlap_active = self.settings.overlap if overlap is None else bool(overlap)
         if self.overlap_active:
             self.hooks = OverlapHooks(units, converted)
         return converted
+
+    def _start_replica(self, optimizer: ReplicatingOptimizer) -> None:
+        """Join the torchft quorum as this replica group; the replicator exchanges through the Manager from now on.
+
+        No cross-node broadcast of the initial state: torchft's first quorum syncs the replicas (``init_sync``).
+        """
+        from lightning_hetero.ft.replicas import FaultTolerantReplica  # needs the ft extra: imported on use
+
+        assert self.module is not None and self.settings.fault_tolerance is not None
+        optimizer.bind(None)  # no replicate process group: the Manager's group changes with every quorum
+        self.replica = FaultTolerantReplica(
+            self.settings.fault_tolerance,
+            model=self.module,
+            optimizer=optimizer,
+            extra_state=self.recovery_state,
+            rank=0,
+            world_size=1,
+            device=self.device,
+        )
+        self.replica.manage(optimizer.replicator)
+        log.info(
+            "%s: fault-tolerant mode, replica group %s", self.owner, self.settings.fault_tolerance.resolve_replica_id()
+        )
+
+    def add_recovery_state(self, name: str, get: Callable[[], Any], set_state: Callable[[Any], None]) -> None:
+        """Hand ``get()`` to a joining replica, which restores it with ``set_state`` (fault-tolerant mode)."""
+        self.recovery_state[name] = (get, set_state)
+        if self.replica is not None:
+            self.replica.extra_state[name] = (get, set_state)
+
+    def start_replica_step(self) -> None:
+        """Fault-tolerant mode: join this step's quorum once, before its first forward (a joiner is healed here).
+
+        Raises:
+            PeerPayloadError: The recovery checkpoint a live peer sent was refused.
+        """
+        if self.replica is not None and not self.replica_step_open:
+            self.replica.start_step()
+            self.replica_step_open = True
+
+    def committed_step(self, step: Callable[[], Any]) -> Any:
+        """Run ``step`` (the optimizer step, closure included); in the fault-tolerant mode keep it only if the quorum
+        commits it (weights and optimizer state are restored otherwise). Returns what ``step`` returned."""
+        if self.replica is None:
+            return step()
+        self.start_replica_step()
+        output: list[Any] = [None]
+
+        def run() -> None:
+            output[0] = step()
+
+        try:
+            self.last_commit = self.replica.step_optimizer(run)
+        finally:
+            self.replica_step_open = False
+        return output[0]
+
+    def replica_metrics(self) -> dict[str, float]:
+        """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0) and
+        ``ft/step`` (committed steps: equal on every replica group, unlike the Trainer's ``global_step``)."""
+        if self.replica is None or self.last_commit is None:
+            return {}
+        return {
+            "ft/participants": float(self.replica.num_participants()),
+            "ft/committed": float(self.last_commit),
+            "ft/step": float(self.replica.current_step()),
+        }
 
     # ------------------------------------------------------------------------------------------------ training
     def set_sync_blocked(self, blocked: bool) -> None:
@@ -279,13 +394,30 @@ class FlexDeMoRuntime(StrategyRuntime):
         )
 
     def teardown(self) -> None:
-        """Remove the hooks and forget the optimizer (the sharded module stays; a later fit binds a new optimizer)."""
+        """Remove the hooks and forget the optimizer (the sharded module stays; a later fit binds a new optimizer);
+        the fault-tolerant mode leaves the quorum."""
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+        if self.replica is not None:
+            self.replica.shutdown()
+            self.replica = None
+            self.replica_step_open = False
         self.optimizer = None
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
+        """Fault-tolerant mode: torchft's committed step (``{"torchft": manager.state_dict()}``)."""
+        if self.replica is None:
+            return None
+        return {"torchft": {k: int(v) for k, v in self.replica.manager.state_dict().items()}}
+
+    def load_extra_checkpoint_state(self, entry: Any) -> None:
+        """Restore the committed step saved by :meth:`extra_checkpoint_state` (nothing else is saved there)."""
+        if entry is not None and self.replica is not None and "torchft" in entry:
+            saved = entry["torchft"]
+            self.replica.manager.load_state_dict({key: int(saved[key]) for key in ("step", "batches_committed")})
+
     def checkpoint_part(self, global_rank: int) -> str:
         return ckpt.rank_file(".", global_rank).stem
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from lightning_hetero.core.settings import check_choice, check_int
+from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["DEFAULT_SETTINGS", "FlexDeMoSettings"]
@@ -47,6 +48,11 @@ class FlexDeMoSettings:
             log.
         log_comm_stats: Trainer only: log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``,
             ``comm/wait_seconds``, ... every step (Fabric: read ``strategy.last_comm_metrics``).
+        fault_tolerance: Opt-in spot-worker mode (see ``docs/spot.md``): the model copies are torchft replica
+            groups that may leave and rejoin mid-run while the others keep training
+            (:class:`~lightning_hetero.ft.FaultToleranceSettings`: lighthouse, ``min_replicas``, timeouts, replica
+            id). Each replica group is its own launch of one rank (``devices=1``, ``num_nodes=1``). None (default):
+            the restart-based path, unchanged.
     """
 
     RENAMED: ClassVar[dict[str, str]] = {
@@ -71,6 +77,7 @@ class FlexDeMoSettings:
     block_classes: tuple[str, ...] | None = None
     on_bad_payload: Literal["raise", "drop"] = "raise"
     log_comm_stats: bool = True
+    fault_tolerance: FaultToleranceSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, ReplicationSettings):
@@ -95,6 +102,11 @@ class FlexDeMoSettings:
                 )
             object.__setattr__(self, "block_classes", tuple(classes))  # a list from Python is accepted; frozen: tuple
         check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
+        if self.fault_tolerance is not None and not isinstance(self.fault_tolerance, FaultToleranceSettings):
+            raise ValueError(
+                f"{_OWNER}.fault_tolerance={self.fault_tolerance!r}: use a FaultToleranceSettings(...) (YAML: a mapping"
+                " such as {lighthouse: 'http://head:29510', min_replicas: 2}), or None for the restart-based path."
+            )
 
 
 def _check_bool(name: str, value: Any) -> None:

@@ -17,6 +17,11 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
   parameters are gathered whatever the LightningModule's step calls.
 - ``optimizer_step``: after the step, ``comm/*`` metrics are logged and the drift guard runs when due.
 - Checkpoints are directories with one file per rank (:mod:`lightning_hetero.flexdemo.checkpoint`).
+
+The fault-tolerant mode (``settings.fault_tolerance``, ``docs/spot.md``): each launch is one replica group of one
+rank. ``on_train_batch_start`` joins the step's torchft quorum (a joining replica is healed there, before its
+forward); ``optimizer_step`` runs Lightning's step (closure included) and keeps it only if the quorum commits it,
+then logs ``ft/participants``, ``ft/committed`` and ``ft/step``. LR schedulers' state travels with a recovery.
 """
 
 from __future__ import annotations
@@ -147,6 +152,14 @@ class FlexDeMoStrategy(TrainerStrategyBase):
             repoint_scheduler(config.scheduler, original, converted)
         self.optimizers = [converted]
         self._use_runtime_clipping()
+        if self.runtime.replica is not None:
+            configs = list(self.lr_scheduler_configs)
+            # A joining replica must continue the survivors' schedule, not restart it (its lr would differ).
+            self.runtime.add_recovery_state(
+                "lr_schedulers",
+                lambda: [config.scheduler.state_dict() for config in configs],
+                lambda states: [c.scheduler.load_state_dict(s) for c, s in zip(configs, states, strict=True)],
+            )
 
     def _clipping_configured(self, trainer: Any) -> bool:
         module = self.lightning_module
@@ -192,12 +205,21 @@ class FlexDeMoStrategy(TrainerStrategyBase):
             return self._redirect("predict_step", *args, **kwargs)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.runtime.start_replica_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self.runtime.before_step()
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        metrics = self.runtime.after_step()
+        parent = super()
+        output = self.runtime.committed_step(lambda: parent.optimizer_step(optimizer, closure, model, **kwargs))
+        metrics = self.runtime.after_step()  # always: it re-arms the hooks and runs the drift guard
+        if not self.settings.log_comm_stats:
+            metrics = {}
+        metrics.update(self.runtime.replica_metrics())
         module = self.lightning_module
-        if self.settings.log_comm_stats and module is not None and module._trainer is not None:
+        if module is not None and module._trainer is not None:
             for name, value in metrics.items():
                 module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
         return output

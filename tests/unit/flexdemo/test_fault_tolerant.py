@@ -1,0 +1,101 @@
+"""FlexDeMoStrategy's fault-tolerant mode (settings.fault_tolerance) in a single-process Trainer on a real lighthouse.
+
+One replica group in the pytest process (several replica groups that die and rejoin: tests/dist/test_ft_flexdemo.py).
+Covers the settings field, the launch check (one launch per replica group of one rank), the step gate (a step the
+quorum does not commit leaves weights and optimizer state as they were) and the ft/* metrics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hetero.core import WorldLayout
+from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
+from lightning_hetero.flexdemo.settings import FlexDeMoSettings
+from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.replication import ReplicationSettings
+from tests.fixtures import quiet_trainer
+
+FT = FaultToleranceSettings(lighthouse="http://localhost:1", replica_id_source="fixed", replica_id="solo")
+
+
+def test_fault_tolerance_takes_a_fault_tolerance_settings():
+    assert FlexDeMoSettings().fault_tolerance is None
+    assert FlexDeMoSettings(fault_tolerance=FT).fault_tolerance is FT
+    with pytest.raises(ValueError, match=r"FlexDeMoSettings.fault_tolerance=.*FaultToleranceSettings"):
+        FlexDeMoSettings(fault_tolerance={"lighthouse": "http://localhost:1"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ranks", "message"),
+    [(2, 1, r"spans 2 nodes.*one job per node.*REPLICA_GROUP_ID"), (1, 2, r"2 ranks in one replica group.*DTensor")],
+)
+def test_the_launch_check_refuses_a_replica_group_of_several_ranks_or_nodes(nodes, ranks, message):
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT))
+    with pytest.raises(ValueError, match=message):
+        runtime.resolve_launch(WorldLayout(nodes, ranks))
+    FlexDeMoRuntime(FlexDeMoSettings()).resolve_launch(WorldLayout(nodes, ranks))  # the restart-based path: fine
+    FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT)).resolve_launch(WorldLayout(1, 1))
+
+
+class _Regression(__import__("lightning").LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.logged: list[dict[str, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), target)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        metrics = self.trainer.callback_metrics
+        self.logged.append({k: float(v) for k, v in metrics.items() if k.startswith("ft/")})
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+
+
+def _data() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(64, 4, generator=generator)
+    return DataLoader(TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin()), batch_size=16)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("min_replicas", [1, 2], ids=["commits", "too-few-replicas"])
+def test_a_trainer_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        ft = FaultToleranceSettings(
+            lighthouse=lighthouse.address(),
+            min_replicas=min_replicas,
+            timeout_s=20,
+            replica_id_source="fixed",
+            replica_id="solo",
+        )
+        settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo", chunk=4), fault_tolerance=ft)
+        strategy = FlexDeMoStrategy(settings=settings)
+        module = _Regression()
+        before = [p.detach().clone() for p in module.parameters()]
+        quiet_trainer(devices=1, strategy=strategy, max_steps=3).fit(module, _data())
+    finally:
+        lighthouse.shutdown()
+    assert strategy.runtime.replica is None, "teardown leaves the quorum"
+    assert strategy.runtime.replicator_name == "demo", "one rank per launch is not one model copy: no 'full' fallback"
+    committed = min_replicas == 1
+    assert [m["ft/committed"] for m in module.logged] == [float(committed)] * 3
+    assert [m["ft/participants"] for m in module.logged] == [1.0] * 3
+    assert [m["ft/step"] for m in module.logged] == ([1.0, 2.0, 3.0] if committed else [0.0] * 3)
+    unchanged = all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
+    assert unchanged is not committed  # an uncommitted step is undone: weights as before (and the replicator's step)
+    assert strategy.optimizers[0].replicator.step == (3 if committed else 0)
