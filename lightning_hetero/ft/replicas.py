@@ -26,7 +26,6 @@ the replicator's ``num_replicas`` set to this step's participant count so its av
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import random
 import socket
@@ -272,27 +271,17 @@ class FaultTolerantReplica:
     def manage(self, replicator: Replicator) -> None:
         """Route ``replicator``'s collectives through the Manager (:meth:`launch`) instead of its process group.
 
-        An instance-level ``launch``: the replicator and the optimizer that owns it stay unchanged, and its
-        ``finish`` decodes the completed bucket as usual. DiLoCo with ``outer_compression`` routes its outer DeMo
-        codec (inner steps send nothing).
-
-        Raises:
-            NotImplementedError: Plain DiLoCo: its dense outer mean calls ``FullReplicator.launch`` on the class,
-                which an instance-level ``launch`` cannot reach (it needs a collectives hook in ``Replicator.launch``).
+        Sets the replicator's ``collectives`` hook (:attr:`Replicator.collectives`): every
+        :meth:`Replicator.launch`, also DiLoCo's outer mean (which calls ``FullReplicator.launch`` on the class) and
+        the DeMo codec of DiLoCo with ``outer_compression``, hands its pieces to :meth:`launch`; the replicator's
+        ``finish`` decodes the completed bucket as usual. DiLoCo's inner steps send nothing.
         """
-        from lightning_hetero.replication import DiLoCoReplicator
+        replicator.collectives = self
+        outer = getattr(replicator, "outer_codec", None)
+        if isinstance(outer, Replicator):
+            outer.collectives = self
 
-        if isinstance(replicator, DiLoCoReplicator):
-            if replicator.outer_codec is None:
-                raise NotImplementedError(
-                    "FaultTolerantReplica.manage(DiLoCoReplicator): plain DiLoCo's outer mean cannot be routed through"
-                    " the torchft Manager yet; use outer_compression (DeMo + DiLoCo), or replication kind 'full' /"
-                    " 'demo' in the fault-tolerant mode."
-                )
-            replicator = replicator.outer_codec
-        replicator.launch = functools.partial(self.launch, replicator)  # type: ignore[method-assign]
-
-    def step_optimizer(self) -> bool:
+    def step_optimizer(self, step: Callable[[], Any] | None = None) -> bool:
         """Step :attr:`optimizer` and keep the step only if this replica may commit it; return whether it did.
 
         For optimizers whose exchange happens inside ``step()`` (FlexDeMo's replicating optimizers, with
@@ -300,11 +289,16 @@ class FaultTolerantReplica:
         copied first and restored when :meth:`should_commit` says no, or when the step raises (a refused peer
         payload). Costs one copy of the weights and the optimizer state per step; optimizers that exchange
         gradients before ``step()`` should call :meth:`should_commit` first instead and skip the copy.
+
+        Args:
+            step: What runs the step (default ``optimizer.step()``): e.g. a Lightning optimizer step whose closure
+                runs forward and backward. The copy is taken before it, so an exchange launched during that backward
+                (error feedback updated in place) is undone too.
         """
         weights = [p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]]
         state = copy.deepcopy(self.optimizer.state_dict())
         try:
-            self.optimizer.step()
+            (step or self.optimizer.step)()
             committed = self.should_commit()
         except BaseException:
             self._restore(weights, state)

@@ -160,6 +160,10 @@ class Replicator(ABC):
         """``"raise"``: a corrupt replica payload stops training; ``"drop"``: it is left out of the combination."""
         self.dropped_payloads = 0
         """Payloads left out under ``on_bad_payload="drop"`` since construction."""
+        self.collectives: Any | None = None
+        """None: :meth:`launch` runs its collective on :attr:`group`. Otherwise an object whose
+        ``launch(replicator, pieces, early=...)`` returns the completed :class:`Bucket` instead (the fault-tolerant
+        mode's :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica`, whose group changes with every quorum)."""
 
     def set_bad_payload_policy(self, policy: str) -> None:
         """Choose ``"raise"`` or ``"drop"`` for corrupt replica payloads (:mod:`lightning_hetero.comm.validation`)."""
@@ -255,6 +259,8 @@ class Replicator(ABC):
     # ---------------------------------------------------------------------------------------- communication
     def launch(self, pieces: list[Piece], *, early: bool = False) -> Bucket:
         """Concatenate ``pieces`` and start one async collective over the replicate group (none when alone/empty)."""
+        if self.collectives is not None:
+            return self.collectives.launch(self, pieces, early=early)
         kind = self.wire_kind
         offsets, total = [], 0
         for piece in pieces:

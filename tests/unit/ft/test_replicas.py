@@ -30,6 +30,21 @@ pytestmark = pytest.mark.timeout(180)
 _INIT = threading.Lock()
 
 
+def _late_join_hooks() -> tuple[threading.Event, Callable[[int], None], Callable[[int], None]]:
+    """(started, first replica's on_step, late replica's on_step): the first replica sets ``started`` at step 3 and
+    waits at step 5 until the late one committed a step, so the others cannot finish before it joined (a loaded
+    machine may take longer to build the late replica than the others take for their remaining steps)."""
+    started, joined = threading.Event(), threading.Event()
+
+    def first(step: int) -> None:
+        if step >= 3:
+            started.set()
+        if step >= 5:
+            assert joined.wait(120), "the late replica never committed a step"
+
+    return started, first, lambda step: joined.set()
+
+
 @pytest.fixture
 def lighthouse():
     server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=300, heartbeat_timeout_ms=2000)
@@ -83,15 +98,24 @@ def test_a_late_replica_is_healed_without_pickle_and_matches_after_its_first_ste
     def refuse(*args, **kwargs):
         raise AssertionError("a recovery unpickled peer bytes")
 
+    class RefusingUnpickler(pickle.Unpickler):  # a class: modules imported later subclass pickle.Unpickler
+        def __init__(self, *args, **kwargs):
+            refuse()
+
     # torch's streaming load (torchft's HTTP transport) unpickles through pickle.Unpickler: refuse that too.
-    for module, name in ((pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load")):
-        monkeypatch.setattr(module, name, refuse)
-    started = threading.Event()
+    for module, name, value in (
+        (pickle, "loads", refuse),
+        (pickle, "load", refuse),
+        (pickle, "Unpickler", RefusingUnpickler),
+        (torch, "load", refuse),
+    ):
+        monkeypatch.setattr(module, name, value)
+    started, on_first, on_late = _late_join_hooks()
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(_train, lighthouse, "r0", 0, 8, lambda step: step >= 3 and started.set())
+        first = pool.submit(_train, lighthouse, "r0", 0, 8, on_first)
         second = pool.submit(_train, lighthouse, "r1", 1, 8)
         assert started.wait(120), "the first two replicas never committed 3 steps"
-        late = pool.submit(_train, lighthouse, "r2", 2, 8)  # different init: only healing can make it equal
+        late = pool.submit(_train, lighthouse, "r2", 2, 8, on_late)  # different init: only healing makes it equal
         results = [first.result(), second.result(), late.result()]
     for mine, theirs in zip(results[2]["params"], results[0]["params"], strict=True):
         assert torch.equal(mine, theirs)
@@ -135,13 +159,18 @@ def test_replicators_exchange_through_the_manager_over_the_participants(lighthou
     torch.testing.assert_close(results[0]["combined"], expected)
 
 
-def _demo_train(address: str, name: str, seed: int, steps: int, min_replicas: int = 2, on_step=lambda s: None):
+def _demo_train(
+    address: str, name: str, seed: int, steps: int, min_replicas: int = 2, on_step=lambda s: None, replicator=None
+):
     from lightning_hetero.flexdemo.optim import DeMoSGD
 
     with _INIT:
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, compression=0.25, chunk=4)
+    if replicator is None:
+        optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, compression=0.25, chunk=4)
+    else:
+        optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, replicator=replicator())
     settings = dataclasses.replace(_settings(address, name), min_replicas=min_replicas)
     replica = FaultTolerantReplica(settings, model=model, optimizer=optimizer, store_host="localhost")
     replica.manage(optimizer.replicator)
@@ -162,12 +191,12 @@ def _demo_train(address: str, name: str, seed: int, steps: int, min_replicas: in
 
 
 def test_demo_through_the_manager_heals_a_late_replica_bit_identical(lighthouse):
-    started = threading.Event()
+    started, on_first, on_late = _late_join_hooks()
     with ThreadPoolExecutor(3) as pool:
-        first = pool.submit(_demo_train, lighthouse, "d0", 0, 8, 2, lambda step: step >= 3 and started.set())
+        first = pool.submit(_demo_train, lighthouse, "d0", 0, 8, 2, on_first)
         second = pool.submit(_demo_train, lighthouse, "d1", 1, 8)
         assert started.wait(120)
-        late = pool.submit(_demo_train, lighthouse, "d2", 2, 8)
+        late = pool.submit(_demo_train, lighthouse, "d2", 2, 8, 2, on_late)
         results = [first.result(), second.result(), late.result()]
     for other in results[1:]:
         for mine, theirs in zip(other["params"], results[0]["params"], strict=True):
@@ -192,15 +221,27 @@ def test_an_uncommitted_demo_step_leaves_weights_and_state_untouched(lighthouse)
             assert torch.equal(entry["delta"], state["state"][key]["delta"])  # momentum + error feedback restored
 
 
-def test_plain_diloco_is_refused_by_manage_with_the_alternatives(lighthouse):
+@pytest.mark.parametrize("outer_compression", [None, 0.25], ids=["plain", "demo-outer"])
+def test_diloco_through_the_manager_heals_a_late_replica_bit_identical(lighthouse, outer_compression):
+    # Plain DiLoCo's outer mean calls FullReplicator.launch on the class: only the collectives hook reaches it.
     from lightning_hetero.replication import DiLoCoReplicator
 
-    replica, _, _ = _replica(lighthouse, "solo", 0)
-    try:
-        with pytest.raises(NotImplementedError, match="use outer_compression"):
-            replica.manage(DiLoCoReplicator(0.25))
-        compressed = DiLoCoReplicator(0.25, outer_compression=0.25, outer_chunk=4)
-        replica.manage(compressed)
-        assert isinstance(compressed.outer_codec.launch, functools.partial)
-    finally:
-        replica.shutdown()
+    def replicator():
+        extra = {} if outer_compression is None else {"outer_compression": outer_compression, "outer_chunk": 4}
+        return DiLoCoReplicator(sync_every=2, **extra)
+
+    started, on_first, on_late = _late_join_hooks()
+    train = functools.partial(_demo_train, lighthouse, steps=8, replicator=replicator)
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(train, "l0", 0, on_step=on_first)
+        second = pool.submit(train, "l1", 1)
+        assert started.wait(120)
+        late = pool.submit(train, "l2", 2, on_step=on_late)
+        results = [first.result(), second.result(), late.result()]
+    for other in results[1:]:
+        for mine, theirs in zip(other["params"], results[0]["params"], strict=True):
+            assert torch.equal(mine, theirs)  # 8 steps end with an outer sync (sync_every=2)
+    replicators = [r["opt"].replicator for r in results]
+    assert {r.syncs for r in replicators} == {4}, [r.syncs for r in replicators]
+    # Each replica trains on its own data: equal weights at the end only if the outer mean crossed the Manager.
+    assert {n for ok, n, _, _ in results[0]["history"] if ok} == {2, 3}
