@@ -1,0 +1,144 @@
+"""FlexDeMo's fault-tolerant mode in the Lightning Trainer, as separate processes: a lighthouse (started here) and 3
+replica groups of one rank each (recipes/spot_trainer_worker.py: ``Trainer(strategy=FlexDeMoStrategy(settings=
+FlexDeMoSettings(fault_tolerance=...)))``, DeMo replication, gloo on CPU), each started like a one-rank torchrun job
+of its own (``RANK=0``, ``WORLD_SIZE=1``, its own ``MASTER_PORT``, ``REPLICA_GROUP_ID``).
+
+One replica group is SIGKILLed mid-run: the survivors step on without a restart (same pid, the committed step keeps
+rising, 2 participants). It is restarted, rejoins, is healed through the pickle-free transport and, after its first
+committed step, its weights equal the survivors' bit for bit; at the end all three are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+pytest.importorskip("safetensors")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "recipes" / "spot_trainer_worker.py"
+
+
+def _records(out: Path, replica: int) -> list[dict]:
+    path = out / f"replica_{replica}.jsonl"
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _steps(out: Path, replica: int) -> list[dict]:
+    return [r for r in _records(out, replica) if not r.get("final")]
+
+
+def _wait(condition, what: str, procs: dict, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        for name, proc in procs.items():
+            if proc.poll() not in (None, 0):
+                raise AssertionError(f"replica group {name} exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(address: str, replica: int, out: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "RUST_LOG": "warn",
+        "PYTHONUNBUFFERED": "1",
+        # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each replica group is its own job.
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": f"spot{replica}",
+        "REPLICA_GROUP_ID": str(replica),
+    }
+    log = (out / f"worker_{replica}_{time.monotonic_ns()}.log").open("w")
+    command = [sys.executable, str(WORKER), "--lighthouse", address, "--out", str(out), "--forbid-pickle"]
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoins_bit_identical(tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1500)
+    address = lighthouse.address()
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for replica in range(3):
+            procs[str(replica)] = _start(address, replica, tmp_path)
+        _wait(
+            lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 3]) >= 3 for i in range(3)),
+            "3 replica groups to commit 3 steps together",
+            procs,
+        )
+        survivors_pids = {i: _steps(tmp_path, i)[-1]["pid"] for i in (0, 1)}
+
+        procs["2"].send_signal(signal.SIGKILL)
+        procs["2"].wait()
+        killed_at = max(r["step"] for r in _steps(tmp_path, 2))
+        survivors = {k: v for k, v in procs.items() if k != "2"}
+        _wait(
+            lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 2]) >= 3 for i in (0, 1)),
+            "the survivors to commit 3 steps as 2",
+            survivors,
+        )
+        before_rejoin = len(_steps(tmp_path, 2))
+
+        procs["2"] = _start(address, 2, tmp_path)
+        _wait(lambda: len(_steps(tmp_path, 2)) > before_rejoin, "the restarted replica group to commit a step", procs)
+        first = _steps(tmp_path, 2)[before_rejoin]
+        assert first["pid"] != _steps(tmp_path, 2)[0]["pid"], "the restarted replica group is a new process"
+        assert first["step"] > killed_at + 3, (first, killed_at)  # it joined at the survivors' step, not at 0
+        assert first["global_step"] < first["step"], first  # Lightning's own counter restarted; the committed one not
+        _wait(lambda: all(any(r["step"] == first["step"] for r in _steps(tmp_path, i)) for i in (0, 1)), "peers", procs)
+        for i in (0, 1):
+            peer = next(r for r in _steps(tmp_path, i) if r["step"] == first["step"])
+            assert peer["digest"] == first["digest"], f"the rejoined group differs from group {i} after its first step"
+            assert peer["participants"] == first["participants"] == 3
+
+        last = max(r["step"] for i in range(3) for r in _steps(tmp_path, i))
+        (tmp_path / "stop").write_text(str(last + 3))
+        for name in ("0", "1", "2"):
+            assert procs[name].wait(timeout=120) == 0, f"replica group {name} failed"
+
+        finals = [next(r for r in _records(tmp_path, i) if r.get("final")) for i in range(3)]
+        assert len({f["digest"] for f in finals}) == 1, finals
+        committed: set[int] = set()
+        for i in (0, 1):
+            steps = [r["step"] for r in _steps(tmp_path, i)]
+            committed.update(steps)
+            # Never repeated, never reset: a survivor whose commit failed while the other's succeeded is healed in
+            # place at the next quorum and goes on from the newer step.
+            assert all(b > a for a, b in zip(steps, steps[1:], strict=False)), f"group {i} went back: {steps}"
+            assert {r["pid"] for r in _steps(tmp_path, i)} == {survivors_pids[i]}, "a survivor was restarted"
+            counts = [r["participants"] for r in _steps(tmp_path, i)]
+            assert 2 in counts and counts[-1] == 3, counts
+        assert committed == set(range(1, max(committed) + 1)), "the survivors together lost a committed step"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()
