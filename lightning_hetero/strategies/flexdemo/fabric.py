@@ -16,6 +16,17 @@ Accumulation micro-batches go inside ``with fabric.no_backward_sync(model):`` (n
 still reduce-scatters inside the node). ``fabric.clip_gradients`` clips with the node's gradient norm and needs
 ``FlexDeMoSettings(overlap=False)`` (the exchange would otherwise have started from the unclipped gradients).
 ``fabric.save`` writes a directory with one file per rank; ``fabric.load`` restores it in place.
+
+The fault-tolerant mode (``FlexDeMoSettings(fault_tolerance=...)``, ``docs/spot.md``; one rank per launch): call
+``strategy.start_step()`` at the top of every iteration, before the forward (it joins the step's torchft quorum; a
+joining replica is healed there), and read ``strategy.last_commit`` after ``optimizer.step()`` (False: the quorum did
+not commit the step, and the weights and optimizer state were restored; the same batch may be retried)::
+
+    for batch in loader:
+        strategy.start_step()
+        fabric.backward(model(**batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ class FlexDeMoStrategy(FabricStrategyBase):
     One model and one optimizer per Fabric. ``setup_optimizers`` converts ``AdamW``/``Adam`` to ``DecoupledAdamW``
     and ``SGD`` to ``DeMoSGD`` (same param groups; the returned optimizer is the converted one), and uses a
     ``ReplicatingOptimizer`` as given. After each ``optimizer.step()``, :attr:`last_comm_metrics` holds the step's
-    ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``).
+    ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``), and in the fault-tolerant mode
+    ``ft/participants``, ``ft/committed`` and ``ft/step``.
 
     Args:
         settings: The strategy's settings (see :class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings`);
@@ -107,12 +119,30 @@ class FlexDeMoStrategy(FabricStrategyBase):
             repoint_scheduler(scheduler, optimizer, converted)
         return module, [converted], scheduler
 
+    @property
+    def last_commit(self) -> bool | None:
+        """Fault-tolerant mode: whether the last ``optimizer.step()`` was committed (None otherwise / before one)."""
+        return self.runtime.last_commit
+
     # ------------------------------------------------------------------------------------------------ training
+    def start_step(self) -> None:
+        """Fault-tolerant mode: join this step's quorum before the forward (a joining replica is healed here).
+
+        A no-op without ``settings.fault_tolerance``. Left out, ``optimizer.step()`` joins the quorum itself, after
+        the backward: the step still commits correctly, but a joining replica's first gradient is computed on its
+        stale weights.
+
+        Raises:
+            PeerPayloadError: The recovery checkpoint a live peer sent was refused.
+        """
+        self.runtime.start_replica_step()
+
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.runtime.before_step()
-        output = super().optimizer_step(optimizer, **kwargs)
-        self.last_comm_metrics = self.runtime.after_step()
+        parent = super()
+        output = self.runtime.committed_step(lambda: parent.optimizer_step(optimizer, **kwargs))
+        self.last_comm_metrics = {**self.runtime.after_step(), **self.runtime.replica_metrics()}
         return output
 
     # ------------------------------------------------------------------------------------------------ checkpoints

@@ -99,3 +99,63 @@ def test_a_trainer_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
     unchanged = all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
     assert unchanged is not committed  # an uncommitted step is undone: weights as before (and the replicator's step)
     assert strategy.optimizers[0].replicator.step == (3 if committed else 0)
+
+
+def test_a_trainer_or_fabric_spanning_nodes_is_refused_before_launch():
+    from lightning.fabric import Fabric
+
+    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy as FabricFlexDeMoStrategy
+    from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+
+    settings = FlexDeMoSettings(fault_tolerance=FT)
+    with pytest.raises(ValueError, match=r"spans 2 nodes.*one job per node"):
+        quiet_trainer(devices=1, num_nodes=2, strategy=FlexDeMoStrategy(settings=settings))
+    with pytest.raises(ValueError, match=r"2 ranks in one replica group.*devices=1"):
+        Fabric(accelerator="cpu", devices=2, strategy=FabricFlexDeMoStrategy(settings=settings))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("min_replicas", [1, 2], ids=["commits", "too-few-replicas"])
+def test_a_fabric_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
+    pytest.importorskip("torchft")
+    from lightning.fabric import Fabric
+    from torchft.coordination import LighthouseServer
+
+    from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        ft = FaultToleranceSettings(
+            lighthouse=lighthouse.address(),
+            min_replicas=min_replicas,
+            timeout_s=20,
+            replica_id_source="fixed",
+            replica_id="solo",
+        )
+        settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo", chunk=4), fault_tolerance=ft)
+        strategy = FlexDeMoStrategy(settings=settings)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        fabric.launch()
+        module = _Regression()
+        model = fabric.setup_module(module)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+        before = [p.detach().clone() for p in model.parameters()]
+        metrics = []
+        for inputs, target in list(_data())[:3]:
+            strategy.start_step()
+            fabric.backward(torch.nn.functional.mse_loss(model.net(inputs), target))
+            optimizer.step()
+            optimizer.zero_grad()
+            metrics.append(dict(strategy.last_comm_metrics))
+        replicator_step = optimizer.replicator.step
+        fabric.strategy.teardown()
+    finally:
+        lighthouse.shutdown()
+    assert strategy.runtime.replica is None, "teardown leaves the quorum"
+    committed = min_replicas == 1
+    assert strategy.last_commit is None or strategy.last_commit is committed
+    assert [m["ft/committed"] for m in metrics] == [float(committed)] * 3
+    assert [m["ft/step"] for m in metrics] == ([1.0, 2.0, 3.0] if committed else [0.0] * 3)
+    unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert unchanged is not committed
+    assert replicator_step == (3 if committed else 0)
