@@ -1,6 +1,5 @@
 """One replica group (one rank) of a fault-tolerant FlexDeMo run in the Lightning Trainer (tests/dist/test_ft_flexdemo).
 
-
 Each replica group is its own launch (here: one process with a torchrun-style environment: ``RANK=0``,
 ``WORLD_SIZE=1``, ``MASTER_PORT`` of its own, ``REPLICA_GROUP_ID``), running ``Trainer(strategy=FlexDeMoStrategy(
 settings=FlexDeMoSettings(fault_tolerance=...)))`` on the small regression MLP of ``spot_worker.py``, on its own data
