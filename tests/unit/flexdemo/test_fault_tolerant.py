@@ -159,3 +159,19 @@ def test_a_fabric_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
     unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert unchanged is not committed
     assert replicator_step == (3 if committed else 0)
+
+
+def test_the_spot_config_parses_into_fault_tolerance_settings(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from lightning_hetero.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lightning-hetero"])
+    config = Path(__file__).resolve().parents[3] / "configs" / "flexdemo_spot.yaml"
+    override = ["--trainer.strategy.init_args.settings.fault_tolerance.min_replicas", "3"]
+    cli = build_cli(["--config", str(config), *override], run=False)
+    ft = cli.trainer.strategy.settings.fault_tolerance
+    assert isinstance(ft, FaultToleranceSettings)
+    assert (ft.min_replicas, ft.timeout_s, ft.replica_id_source, ft.lighthouse) == (3, 30.0, "env", "")
+    assert cli.trainer.strategy.settings.replication.kind == "demo"
