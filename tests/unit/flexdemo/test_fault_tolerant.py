@@ -54,6 +54,7 @@ class _Regression(__import__("lightning").LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         metrics = self.trainer.callback_metrics
         self.logged.append({k: float(v) for k, v in metrics.items() if k.startswith("ft/")})
+        self.checkpoint_extra = self.trainer.strategy.runtime.extra_checkpoint_state(torch.device("cpu"))
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -99,6 +100,8 @@ def test_a_trainer_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
     unchanged = all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
     assert unchanged is not committed  # an uncommitted step is undone: weights as before (and the replicator's step)
     assert strategy.optimizers[0].replicator.step == (3 if committed else 0)
+    # Checkpoints carry torchft's committed step (the runtime's extra state).
+    assert module.checkpoint_extra == {"torchft": {"step": 3 if committed else 0, "batches_committed": 3 * committed}}
 
 
 def test_a_trainer_or_fabric_spanning_nodes_is_refused_before_launch():
