@@ -11,7 +11,7 @@ from lightning_hetero.core.checkpoint_dir import (
     remove_checkpoint,
     write_part,
 )
-from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size, runtime_arguments
+from lightning_hetero.core.runtime import StrategyRuntime, WorldLayout, process_rank_and_size
 from lightning_hetero.core.state import (
     all_gather_json,
     average_gradients,
@@ -31,6 +31,5 @@ __all__ = [
     "part_file",
     "process_rank_and_size",
     "remove_checkpoint",
-    "runtime_arguments",
     "write_part",
 ]

@@ -8,7 +8,6 @@ accumulation, clipping, extra checkpoint state, directory checkpoints and teardo
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from torch import Tensor
 
 from lightning_hetero.core.checkpoint_dir import load_part
 
-__all__ = ["StrategyRuntime", "WorldLayout", "process_rank_and_size", "runtime_arguments"]
+__all__ = ["StrategyRuntime", "WorldLayout", "process_rank_and_size"]
 
 
 @dataclass(frozen=True)
@@ -41,16 +40,6 @@ def process_rank_and_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def runtime_arguments(runtime_class: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``arguments`` (an adapter's ``locals()``) that ``runtime_class`` takes, by name.
-
-    The Trainer and Fabric adapters spell out the runtime's arguments in their own typed signatures (LightningCLI
-    reads them); this hands them on without listing them a second and third time.
-    """
-    names = inspect.signature(runtime_class).parameters
-    return {name: value for name, value in arguments.items() if name in names and name != "owner"}
 
 
 class StrategyRuntime:

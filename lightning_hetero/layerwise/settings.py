@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 from lightning_hetero.core.settings import check_choice, check_int
 from lightning_hetero.pipeline.settings import PipelineSettings, check_pipeline_field
 
-__all__ = ["AUX_HEADS", "LayerwiseSettings"]
+__all__ = ["DEFAULT_SETTINGS", "AUX_HEADS", "LayerwiseSettings"]
 
 AUX_HEADS: tuple[str, ...] = ("linear", "mlp", "lm_head")
 """Kinds of auxiliary head (:data:`lightning_hetero.layerwise.stack.AUX_HEAD_KINDS`)."""
@@ -112,3 +112,8 @@ class LayerwiseSettings:
             )
         # A YAML or Python list becomes a tuple: the settings are frozen, so no field may be mutable.
         object.__setattr__(self, "boundaries", values)
+
+
+DEFAULT_SETTINGS = LayerwiseSettings()
+"""The defaults, as the adapters' default argument (frozen, so one shared instance is safe; LightningCLI lists each
+field of an instance default in ``--help``)."""

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal, get_args
 from lightning_hetero.core.settings import check_choice, check_fraction, check_int, check_positive
 from lightning_hetero.lowbit.convert import SUPPORTED_TYPES
 
-__all__ = ["CodeExchangeSettings", "FlipSettings", "FpSyncSettings", "SparseFlipSettings"]
+__all__ = ["DEFAULT_SETTINGS", "CodeExchangeSettings", "FlipSettings", "FpSyncSettings", "SparseFlipSettings"]
 
 Kind = Literal["ternary", "binary"]
 Granularity = Literal["row", "layer"]
@@ -230,3 +230,8 @@ class SparseFlipSettings:
         check_int(_SETTINGS, "drift_check_every", self.drift_check_every, minimum=0, fix="0 turns the check off")
         check_choice(_SETTINGS, "on_nonfinite", self.on_nonfinite, get_args(NonfinitePolicy))
         check_choice(_SETTINGS, "on_bad_payload", self.on_bad_payload, get_args(BadPayloadPolicy))
+
+
+DEFAULT_SETTINGS = SparseFlipSettings()
+"""The defaults, as the adapters' default argument (frozen, so one shared instance is safe; LightningCLI lists each
+field of an instance default in ``--help``)."""

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, get_args
 from lightning_hetero.core.settings import check_choice, check_int
 from lightning_hetero.replication.settings import ReplicationSettings
 
-__all__ = ["AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
+__all__ = ["DEFAULT_SETTINGS", "AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
 
 TierEntry = int | list[int]
 """One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
@@ -254,3 +254,8 @@ def expand_entries(owner: str, settings: MatFormerSettings, world_size: int, num
         f"{world_size} ranks ({num_nodes} node(s) x {world_size // max(num_nodes, 1)} devices). Give one entry "
         f"per global rank ({world_size}) or one per node ({num_nodes})."
     )
+
+
+DEFAULT_SETTINGS = MatFormerSettings()
+"""The defaults, as the adapters' default argument (frozen, so one shared instance is safe; LightningCLI lists each
+field of an instance default in ``--help``)."""

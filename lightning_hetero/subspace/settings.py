@@ -14,7 +14,7 @@ from lightning_hetero.core.settings import check_choice, check_int, check_positi
 from lightning_hetero.pipeline.settings import PipelineSettings, check_pipeline_field
 from lightning_hetero.subspace.schedules import check_schedule
 
-__all__ = ["DEFAULT_DIM_RATIO", "SubspacePipelineSettings"]
+__all__ = ["DEFAULT_SETTINGS", "DEFAULT_DIM_RATIO", "SubspacePipelineSettings"]
 
 DEFAULT_DIM_RATIO = 16.0
 """``d / k`` when neither ``subspace_dim`` nor ``dim_ratio`` is given (so ``strategy="subspace_pipeline"`` works)."""
@@ -123,3 +123,8 @@ class SubspacePipelineSettings:
         if self.compress and self.subspace_dim is None and self.dim_ratio is None:
             return DEFAULT_DIM_RATIO
         return self.dim_ratio
+
+
+DEFAULT_SETTINGS = SubspacePipelineSettings()
+"""The defaults, as the adapters' default argument (frozen, so one shared instance is safe; LightningCLI lists each
+field of an instance default in ``--help``)."""

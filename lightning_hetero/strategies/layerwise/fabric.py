@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-from lightning_hetero.layerwise.settings import LayerwiseSettings
+from lightning_hetero.layerwise.settings import DEFAULT_SETTINGS, LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 
 __all__ = ["LayerwiseStrategy"]
@@ -53,9 +53,9 @@ class LayerwiseStrategy(PipelineFabricStrategy):
         "forward, local loss and backward, and returns the loss."
     )
 
-    def __init__(self, settings: LayerwiseSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
-        super().__init__(DecoupledRuntime(settings or LayerwiseSettings(), owner=type(self).__name__), **kwargs)
+        super().__init__(DecoupledRuntime(settings, owner=type(self).__name__), **kwargs)
 
     @property
     def settings(self) -> LayerwiseSettings:

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
-from lightning_hetero.layerwise.settings import LayerwiseSettings
+from lightning_hetero.layerwise.settings import DEFAULT_SETTINGS, LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 
 __all__ = ["LayerwiseStrategy"]
@@ -61,9 +61,9 @@ class LayerwiseStrategy(PipelineTrainerStrategy):
     manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
     predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."
 
-    def __init__(self, settings: LayerwiseSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
-        super().__init__(DecoupledRuntime(settings or LayerwiseSettings(), owner=type(self).__name__), **kwargs)
+        super().__init__(DecoupledRuntime(settings, owner=type(self).__name__), **kwargs)
 
     @property
     def settings(self) -> LayerwiseSettings:

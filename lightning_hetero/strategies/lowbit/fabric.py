@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
-from lightning_hetero.lowbit.settings import SparseFlipSettings
+from lightning_hetero.lowbit.settings import DEFAULT_SETTINGS, SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 
 __all__ = ["SparseFlipStrategy"]
@@ -45,9 +45,9 @@ class SparseFlipStrategy(FabricStrategyBase):
 
     settings_class: ClassVar[type] = SparseFlipSettings
 
-    def __init__(self, settings: SparseFlipSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, SparseFlipSettings.RENAMED)
-        super().__init__(SparseFlipRuntime(settings or SparseFlipSettings(), owner=type(self).__name__), **kwargs)
+        super().__init__(SparseFlipRuntime(settings, owner=type(self).__name__), **kwargs)
         self.last_metrics: dict[str, float] = {}
         """The ``lowbit/*`` and ``comm/*`` metrics of the last optimizer step."""
 

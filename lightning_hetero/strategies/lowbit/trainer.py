@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
-from lightning_hetero.lowbit.settings import SparseFlipSettings
+from lightning_hetero.lowbit.settings import DEFAULT_SETTINGS, SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["SparseFlipStrategy", "lowbit_summary"]
@@ -61,9 +61,9 @@ class SparseFlipStrategy(TrainerStrategyBase):
 
     settings_class: ClassVar[type] = SparseFlipSettings
 
-    def __init__(self, settings: SparseFlipSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, SparseFlipSettings.RENAMED)
-        super().__init__(SparseFlipRuntime(settings or SparseFlipSettings(), owner=type(self).__name__), **kwargs)
+        super().__init__(SparseFlipRuntime(settings, owner=type(self).__name__), **kwargs)
 
     @property
     def settings(self) -> SparseFlipSettings:

@@ -32,7 +32,7 @@ from lightning_hetero import comm
 from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
-from lightning_hetero.matformer.settings import MatFormerSettings
+from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
@@ -60,9 +60,9 @@ class MatFormerStrategy(TrainerStrategyBase):
 
     settings_class: ClassVar[type] = MatFormerSettings
 
-    def __init__(self, settings: MatFormerSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, MatFormerSettings.RENAMED)
-        super().__init__(MatFormerRuntime(settings or MatFormerSettings(), owner=type(self).__name__), **kwargs)
+        super().__init__(MatFormerRuntime(settings, owner=type(self).__name__), **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
     @property

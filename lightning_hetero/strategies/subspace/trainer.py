@@ -40,7 +40,7 @@ from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.subspace.settings import DEFAULT_SETTINGS, SubspacePipelineSettings
 
 __all__ = ["SubspacePipelineStrategy"]
 
@@ -75,9 +75,9 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy):
         "predict with a plain strategy."
     )
 
-    def __init__(self, settings: SubspacePipelineSettings | None = None, **kwargs: Any) -> None:
+    def __init__(self, settings: SubspacePipelineSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         reject_renamed(type(self).__name__, kwargs, SubspacePipelineSettings.RENAMED)
-        runtime = SubspacePipelineRuntime(settings or SubspacePipelineSettings(), owner=type(self).__name__)
+        runtime = SubspacePipelineRuntime(settings, owner=type(self).__name__)
         super().__init__(runtime, **kwargs)
 
     @property

@@ -1,4 +1,4 @@
-"""The framework-free pieces every strategy shares: runtime arguments, clipping, checkpoint parts, JSON gather."""
+"""The framework-free pieces every strategy shares: the runtime base, clipping, checkpoint parts, JSON gather."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from lightning_hetero.core import (
     load_part,
     part_file,
     remove_checkpoint,
-    runtime_arguments,
     write_part,
 )
 
@@ -23,12 +22,6 @@ from lightning_hetero.core import (
 class _Runtime(StrategyRuntime):
     def __init__(self, alpha: int = 1, beta: str = "b", owner: str = "X") -> None:
         self.alpha, self.beta, self.owner = alpha, beta, owner
-
-
-def test_runtime_arguments_pick_the_runtime_parameters_by_name():
-    adapter_locals = {"self": object(), "alpha": 3, "beta": "z", "kwargs": {"timeout": 1}, "log_stats": True}
-    assert runtime_arguments(_Runtime, adapter_locals) == {"alpha": 3, "beta": "z"}
-    assert runtime_arguments(_Runtime, {"owner": "Y"}) == {}  # the runtime names its owner itself
 
 
 def test_world_layout_and_base_defaults():
