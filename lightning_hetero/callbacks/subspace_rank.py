@@ -16,6 +16,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hetero.callbacks.comm_monitor import log_step_metrics
+
 __all__ = ["SubspaceRankMonitor", "stable_rank"]
 
 
@@ -101,15 +103,6 @@ class SubspaceRankMonitor(Callback):
             return
         with torch.no_grad():
             metrics = self.compute(pl_module)
-        for name, value in metrics.items():
-            pl_module.log(
-                name,
-                torch.tensor(value, dtype=torch.float64),
-                on_step=True,
-                on_epoch=False,
-                prog_bar=self.prog_bar and name.endswith("/mean"),
-                logger=False,
-                batch_size=1,
-            )
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=finished_step)
+        log_step_metrics(
+            pl_module, metrics, finished_step, prog_bar=lambda name: self.prog_bar and name.endswith("/mean")
+        )
