@@ -12,7 +12,10 @@ strategy needs, once:
   writing rank plus metadata) for strategies whose ranks hold different tensors; every load is ``weights_only``
   whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says, and a checkpoint with a manifest is verified
   against it before a byte of it is unpickled (one without gets an ``UnverifiedCheckpointWarning``);
-- ``runtime.teardown()`` at the end of a fit.
+- ``runtime.teardown()`` at the end of a fit;
+- the settings: an adapter declares ``settings_class`` and ``runtime_class`` and passes its ``settings`` on; the base
+  refuses keywords renamed in 0.2 (``settings_class.RENAMED``) and unknown ones, naming the fix, and builds
+  ``runtime_class(settings, owner=<the adapter's class name>)``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -36,6 +39,7 @@ from typing_extensions import override
 
 from lightning_hetero.core import StrategyRuntime, WorldLayout, remove_checkpoint, write_part
 from lightning_hetero.core.checkpoint_dir import require_safe_loading
+from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.reliability.checkpoints import verify_resume_checkpoint
 from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit
 from lightning_hetero.reliability.timeouts import inherit_group_timeout
@@ -44,14 +48,51 @@ __all__ = ["FabricStrategyBase", "TrainerStrategyBase"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
+SettingsT = TypeVar("SettingsT")
+"""The strategy's settings class (``TrainerStrategyBase[MatFormerSettings]`` types ``strategy.settings``)."""
 
-class _RuntimeLifecycle:
+
+class _RuntimeLifecycle(Generic[SettingsT]):
     """What the Trainer and Fabric bases share (a mixin in front of Lightning's ``DDPStrategy`` of either)."""
 
     runtime: StrategyRuntime
+    settings_class: ClassVar[type | None] = None
+    """The strategy's settings dataclass; its ``RENAMED`` table (old keyword -> new key) is checked here and by
+    ``HeteroCLI``."""
+    runtime_class: ClassVar[Callable[..., StrategyRuntime] | None] = None
+    """Builds the runtime from the settings: ``runtime_class(settings, owner=<the adapter's class name>)``."""
     _sync_blocked: bool = False
     verifies_checkpoints: bool = True
     """Loads check a checkpoint against its manifest themselves (``VerifiedCheckpoint`` need not do it again)."""
+
+    @property
+    def settings(self) -> SettingsT:
+        """The strategy's settings (read-only)."""
+        return self.runtime.settings  # type: ignore[attr-defined]
+
+    def _attach_runtime(self, settings: SettingsT | StrategyRuntime, unknown: Mapping[str, Any]) -> None:
+        """Set ``self.runtime``: ``settings`` as is if it is already a runtime, else ``runtime_class(settings)``.
+
+        Raises:
+            RenamedSettingError: ``unknown`` holds a keyword renamed in 0.2; the message names its new key.
+            TypeError: ``unknown`` holds any other keyword, or the class declares no ``runtime_class``.
+        """
+        owner = type(self).__name__
+        renamed = getattr(self.settings_class, "RENAMED", {})
+        reject_renamed(owner, unknown, renamed)
+        if unknown:
+            where = self.settings_class.__name__ if self.settings_class is not None else "<the strategy's Settings>"
+            raise TypeError(
+                f"{owner}: unexpected keyword argument {', '.join(repr(k) for k in unknown)}. Strategy settings go "
+                f"in one object, settings={where}(...); the other keywords are Lightning's (accelerator, "
+                "process_group_backend, timeout, start_method, ...)."
+            )
+        if isinstance(settings, StrategyRuntime):
+            self.runtime = settings  # an adapter that builds its own runtime
+            return
+        if self.runtime_class is None:
+            raise TypeError(f"{owner} declares no runtime_class: set it, or pass a ready StrategyRuntime.")
+        self.runtime = self.runtime_class(settings, owner=owner)
 
     @override
     def _configure_launcher(self) -> None:
@@ -122,11 +163,12 @@ class _RuntimeLifecycle:
         self.runtime.load_extra_checkpoint_state(checkpoint.pop(self.runtime.checkpoint_key, None))
 
 
-class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
+class TrainerStrategyBase(_RuntimeLifecycle[SettingsT], TrainerDDPStrategy):
     """Base of our Trainer strategies: a Lightning ``DDPStrategy`` that drives ``self.runtime`` (no DDP wrapper).
 
     Args:
-        runtime: The strategy's framework-free runtime.
+        settings: The strategy's settings (an instance of ``settings_class``), from which the base builds
+            ``runtime_class(settings, owner=...)``; or a ready :class:`~lightning_hetero.core.StrategyRuntime`.
         accelerator: Set by the Trainer.
         parallel_devices: Set by the Trainer.
         cluster_environment: Set by the Trainer.
@@ -135,11 +177,13 @@ class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
         process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
         timeout: Process group timeout.
         start_method: ``"popen"`` (scripts, the CLI) or ``"spawn"`` (notebooks, tests).
+        **renamed: Nothing is accepted here: a keyword of 0.1 raises ``RenamedSettingError`` naming its new key, any
+            other a ``TypeError``.
     """
 
     def __init__(
         self,
-        runtime: StrategyRuntime,
+        settings: SettingsT | StrategyRuntime,
         accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,8 +192,9 @@ class TrainerStrategyBase(_RuntimeLifecycle, TrainerDDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        **renamed: Any,
     ) -> None:
-        self.runtime = runtime
+        self._attach_runtime(settings, renamed)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -245,11 +290,12 @@ class _NoSyncControl(_BackwardSyncControl):
         return self._strategy._no_sync_scope() if enabled else nullcontext()
 
 
-class FabricStrategyBase(_RuntimeLifecycle, FabricDDPStrategy):
+class FabricStrategyBase(_RuntimeLifecycle[SettingsT], FabricDDPStrategy):
     """Base of our Fabric strategies: a Fabric ``DDPStrategy`` that drives ``self.runtime`` for one model.
 
     Args:
-        runtime: The strategy's framework-free runtime.
+        settings: The strategy's settings (an instance of ``settings_class``), from which the base builds
+            ``runtime_class(settings, owner=...)``; or a ready :class:`~lightning_hetero.core.StrategyRuntime`.
         accelerator: Set by Fabric.
         parallel_devices: Set by Fabric.
         cluster_environment: Set by Fabric.
@@ -258,11 +304,12 @@ class FabricStrategyBase(_RuntimeLifecycle, FabricDDPStrategy):
         process_group_backend: ``torch.distributed`` backend (default: gloo on CPU, nccl on CUDA).
         timeout: Process group timeout.
         start_method: ``"popen"`` (scripts) or ``"spawn"`` (``fabric.launch(fn)`` in notebooks and tests).
+        **renamed: As for :class:`TrainerStrategyBase`.
     """
 
     def __init__(
         self,
-        runtime: StrategyRuntime,
+        settings: SettingsT | StrategyRuntime,
         accelerator: Any | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -271,8 +318,9 @@ class FabricStrategyBase(_RuntimeLifecycle, FabricDDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        **renamed: Any,
     ) -> None:
-        self.runtime = runtime
+        self._attach_runtime(settings, renamed)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.strategies.lifecycle import FabricStrategyBase, TrainerStrategyBase
+from lightning_hetero.strategies.lifecycle import FabricStrategyBase, SettingsT, TrainerStrategyBase
 
 __all__ = ["METRICS_LABEL", "PipelineFabricStrategy", "PipelineTrainerStrategy", "first_batch_dim"]
 
@@ -59,7 +59,7 @@ class _StageViews:
         return self.runtime.stage
 
 
-class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase):
+class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase[SettingsT]):
     """Trainer base of the pipeline strategies: no DDP wrapper, the runtime's step inside ``training_step``.
 
     Subclasses implement :meth:`_check_trainer`, :meth:`_train_batch` and :meth:`_eval_batch`, and may override
@@ -78,8 +78,8 @@ class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase):
     predict_refusal: ClassVar[str] = "This strategy does not run predict."
     """The error of ``trainer.predict``."""
 
-    def __init__(self, runtime: Any, **kwargs: Any) -> None:
-        super().__init__(runtime, **kwargs)
+    def __init__(self, settings: Any, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
         self._stashed_grads: list[tuple[nn.Parameter, Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -211,7 +211,7 @@ class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase):
         raise NotImplementedError(self.predict_refusal)
 
 
-class PipelineFabricStrategy(_StageViews, FabricStrategyBase):
+class PipelineFabricStrategy(_StageViews, FabricStrategyBase[SettingsT]):
     """Fabric base of the pipeline strategies: ``setup_module`` gives this rank's stage; ``fabric.backward`` is refused.
 
     The optimizers must be built after ``setup_module`` (the model's parameters are replaced by the stage's).

@@ -23,11 +23,10 @@ model's loss on every rank); ``fabric.save``/``fabric.load`` write and read a fo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.settings import DEFAULT_SETTINGS, LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
@@ -35,17 +34,11 @@ from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 __all__ = ["LayerwiseStrategy"]
 
 
-class LayerwiseStrategy(PipelineFabricStrategy):
-    """Fabric strategy: one block per stage, local losses, activations sent forward only.
+class LayerwiseStrategy(PipelineFabricStrategy[LayerwiseSettings]):
+    """Fabric strategy: one block per stage, local losses, activations sent forward only."""
 
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`);
-            default: all defaults.
-        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
-            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
-    """
-
-    settings_class: ClassVar[type] = LayerwiseSettings
+    settings_class = LayerwiseSettings
+    runtime_class = DecoupledRuntime
 
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     backward_refusal = (
@@ -54,13 +47,8 @@ class LayerwiseStrategy(PipelineFabricStrategy):
     )
 
     def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
-        super().__init__(DecoupledRuntime(settings, owner=type(self).__name__), **kwargs)
-
-    @property
-    def settings(self) -> LayerwiseSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
+        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     def train_step(self, batch: Any) -> Tensor:
         """This stage's DGL step (gradients land in ``.grad``, averaged over replicas); returns its local loss."""

@@ -30,14 +30,13 @@ shared pipeline-adapter part (no DDP wrapper, gradients put aside around ``zero_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.settings import DEFAULT_SETTINGS, LayerwiseSettings
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
@@ -45,30 +44,19 @@ from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 __all__ = ["LayerwiseStrategy"]
 
 
-class LayerwiseStrategy(PipelineTrainerStrategy):
-    """Decoupled greedy layerwise training: one block per stage, local losses, activations sent forward only.
+class LayerwiseStrategy(PipelineTrainerStrategy[LayerwiseSettings]):
+    """Decoupled greedy layerwise training: one block per stage, local losses, activations sent forward only."""
 
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`);
-            default: all defaults.
-        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
-    """
-
-    settings_class: ClassVar[type] = LayerwiseSettings
+    settings_class = LayerwiseSettings
+    runtime_class = DecoupledRuntime
 
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
     predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."
 
     def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, LayerwiseSettings.RENAMED)
-        super().__init__(DecoupledRuntime(settings, owner=type(self).__name__), **kwargs)
-
-    @property
-    def settings(self) -> LayerwiseSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
+        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -17,13 +17,12 @@ step's ``lowbit/*`` and ``comm/*`` figures.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
 from lightning_hetero.lowbit.settings import DEFAULT_SETTINGS, SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import FabricStrategyBase
@@ -31,30 +30,21 @@ from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 __all__ = ["SparseFlipStrategy"]
 
 
-class SparseFlipStrategy(FabricStrategyBase):
+class SparseFlipStrategy(FabricStrategyBase[SparseFlipSettings]):
     """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks.
-
-    Args:
-        settings: the strategy's settings (see :class:`~lightning_hetero.lowbit.settings.SparseFlipSettings`);
-            default: all defaults.
-        **kwargs: Fabric's arguments; see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
 
     Raises:
         RenamedSettingError: a keyword of 0.1 (``kind``, ``density``, ...) was given; the message names its new key.
     """
 
-    settings_class: ClassVar[type] = SparseFlipSettings
+    settings_class = SparseFlipSettings
+    runtime_class = SparseFlipRuntime
 
     def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, SparseFlipSettings.RENAMED)
-        super().__init__(SparseFlipRuntime(settings, owner=type(self).__name__), **kwargs)
+        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
         self.last_metrics: dict[str, float] = {}
         """The ``lowbit/*`` and ``comm/*`` metrics of the last optimizer step."""
-
-    @property
-    def settings(self) -> SparseFlipSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
 
     def set_total_steps(self, steps: int) -> None:
         """Tell the strategy how many optimizer steps the run has, so Bop's ``gamma`` decays over them."""

@@ -19,13 +19,12 @@ codes) in L layers, ...`` on rank 0, just before the summary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
 from lightning_hetero.lowbit.settings import DEFAULT_SETTINGS, SparseFlipSettings
@@ -46,29 +45,19 @@ def lowbit_summary(module: nn.Module, kind: str) -> str:
     )
 
 
-class SparseFlipStrategy(TrainerStrategyBase):
+class SparseFlipStrategy(TrainerStrategyBase[SparseFlipSettings]):
     """Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients (seed 003).
-
-    Args:
-        settings: the strategy's settings (see :class:`~lightning_hetero.lowbit.settings.SparseFlipSettings`);
-            default: all defaults.
-        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
 
     Raises:
         RenamedSettingError: a keyword of 0.1 (``kind``, ``density``, ...) was given; the message names its new key.
     """
 
-    settings_class: ClassVar[type] = SparseFlipSettings
+    settings_class = SparseFlipSettings
+    runtime_class = SparseFlipRuntime
 
     def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, SparseFlipSettings.RENAMED)
-        super().__init__(SparseFlipRuntime(settings, owner=type(self).__name__), **kwargs)
-
-    @property
-    def settings(self) -> SparseFlipSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
+        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     @override
     def setup(self, trainer: Any) -> None:

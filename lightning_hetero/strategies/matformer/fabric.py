@@ -18,14 +18,13 @@ works too: the optimizer, which must not hold state yet, is re-pointed at the sl
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
@@ -47,33 +46,23 @@ class _SlicingOptimizerLoader:
         self._optimizer.load_state_dict(self._strategy._slice_optimizer_state(state, self._optimizer))
 
 
-class MatFormerStrategy(FabricStrategyBase):
+class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
     """Fabric strategy for tiered MatFormer data parallelism: each rank trains its own FFN prefix of one model.
 
     No DDP wrapper: ranks hold different shapes. ``fabric.backward(loss)`` runs the per-region gradient sync right
     after backward (skipped inside ``fabric.no_backward_sync``); :meth:`sync_gradients` does it by hand.
     ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips every rank with the full model's norm.
     Checkpoints (``fabric.save``) hold rank 0's full model and optimizer; ``fabric.load`` slices them for each rank.
-
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.matformer.settings.MatFormerSettings`);
-            default: all defaults.
-        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
-            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
     """
 
-    settings_class: ClassVar[type] = MatFormerSettings
+    settings_class = MatFormerSettings
+    runtime_class = MatFormerRuntime
 
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, MatFormerSettings.RENAMED)
-        super().__init__(MatFormerRuntime(settings, owner=type(self).__name__), **kwargs)
+        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
-
-    @property
-    def settings(self) -> MatFormerSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
 
     @property
     def tier(self) -> int | None:

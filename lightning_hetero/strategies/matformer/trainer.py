@@ -20,7 +20,7 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -29,7 +29,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
@@ -41,7 +40,7 @@ TIER_LOSS_LABEL = "metrics"
 """Ledger label of the per-tier loss all-reduce (``settings.log_tier_losses``), kept apart from the gradient bytes."""
 
 
-class MatFormerStrategy(TrainerStrategyBase):
+class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
     """Tiered MatFormer DDP for the Trainer: each rank trains its own FFN prefix of one shared model.
 
     Works on any LightningModule whose FFNs the adapter registry finds (an HF model anywhere in the module tree, built
@@ -50,26 +49,16 @@ class MatFormerStrategy(TrainerStrategyBase):
 
     Usage: ``MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1]))``; in YAML,
     ``strategy: {class_path: MatFormerStrategy, init_args: {settings: {tiers: [0, 1]}}}``.
-
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.matformer.settings.MatFormerSettings`);
-            default: all defaults.
-        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    settings_class: ClassVar[type] = MatFormerSettings
+    settings_class = MatFormerSettings
+    runtime_class = MatFormerRuntime
 
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, MatFormerSettings.RENAMED)
-        super().__init__(MatFormerRuntime(settings, owner=type(self).__name__), **kwargs)
+        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
-    @property
-    def settings(self) -> MatFormerSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
-
     @property
     def tier(self) -> int | None:
         """This rank's tier (None for per-layer or non power-of-two widths); known from ``Trainer(...)`` on."""

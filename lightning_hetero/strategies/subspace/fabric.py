@@ -22,14 +22,13 @@ forward-only pass; ``fabric.save``/``fabric.load`` write and read a folder with 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.strategies.pipeline_common import PipelineFabricStrategy
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
 from lightning_hetero.subspace.settings import DEFAULT_SETTINGS, SubspacePipelineSettings
@@ -37,17 +36,11 @@ from lightning_hetero.subspace.settings import DEFAULT_SETTINGS, SubspacePipelin
 __all__ = ["SubspacePipelineStrategy"]
 
 
-class SubspacePipelineStrategy(PipelineFabricStrategy):
-    """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries.
+class SubspacePipelineStrategy(PipelineFabricStrategy[SubspacePipelineSettings]):
+    """Fabric strategy: pipeline-parallel HF Llama-family training with ``k`` numbers per token at stage boundaries."""
 
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`);
-            default: all defaults.
-        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
-            ``start_method``, ...); see :class:`~lightning_hetero.strategies.FabricStrategyBase`.
-    """
-
-    settings_class: ClassVar[type] = SubspacePipelineSettings
+    settings_class = SubspacePipelineSettings
+    runtime_class = SubspacePipelineRuntime
 
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see the "
@@ -59,14 +52,8 @@ class SubspacePipelineStrategy(PipelineFabricStrategy):
     )
 
     def __init__(self, settings: SubspacePipelineSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, SubspacePipelineSettings.RENAMED)
-        runtime = SubspacePipelineRuntime(settings, owner=type(self).__name__)
-        super().__init__(runtime, **kwargs)
-
-    @property
-    def settings(self) -> SubspacePipelineSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
+        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     @property
     def steps(self) -> int:

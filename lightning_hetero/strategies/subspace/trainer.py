@@ -28,7 +28,7 @@ With ``automatic_optimization = False`` the module's ``training_step`` runs inst
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.types import _PATH
@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.strategies.pipeline_common import PipelineTrainerStrategy
 from lightning_hetero.subspace.pipeline import split_batch
 from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
@@ -45,22 +44,17 @@ from lightning_hetero.subspace.settings import DEFAULT_SETTINGS, SubspacePipelin
 __all__ = ["SubspacePipelineStrategy"]
 
 
-class SubspacePipelineStrategy(PipelineTrainerStrategy):
+class SubspacePipelineStrategy(PipelineTrainerStrategy[SubspacePipelineSettings]):
     """Pipeline-parallel training of an HF Llama-family model whose stage boundaries carry ``k`` numbers per token.
 
     Every layer whose output crosses a boundary writes only into a shared ``k``-dim subspace span(U), and a frozen
     seed-derived table ``T_fixed`` is added to the token embedding, so each boundary sends ``k`` coordinates per
     token (forward) and receives ``k``-dim gradients (backward), losslessly. ``compress=False`` runs the plain model
     through the same pipeline (``d`` numbers per token).
-
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings`);
-            default: all defaults.
-        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
     """
 
-    settings_class: ClassVar[type] = SubspacePipelineSettings
+    settings_class = SubspacePipelineSettings
+    runtime_class = SubspacePipelineRuntime
 
     fp16_mixed_refusal = (
         "SubspacePipelineStrategy does not support precision='16-mixed' (a loss scaler per stage cannot see "
@@ -76,14 +70,8 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy):
     )
 
     def __init__(self, settings: SubspacePipelineSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, SubspacePipelineSettings.RENAMED)
-        runtime = SubspacePipelineRuntime(settings, owner=type(self).__name__)
-        super().__init__(runtime, **kwargs)
-
-    @property
-    def settings(self) -> SubspacePipelineSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
+        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
     def train_step(self, batch: Any) -> Tensor:

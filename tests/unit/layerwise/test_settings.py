@@ -155,3 +155,14 @@ def test_yaml_settings_reach_the_strategy(tmp_path, monkeypatch, capsys) -> None
     with pytest.raises(SystemExit):
         build_cli(["--config", str(config), "--trainer.strategy.init_args.activation_dtype", "bf16"], run=False)
     assert "'activation_dtype' -> 'settings.pipeline.boundary_dtype'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", ADAPTERS)
+def test_the_base_builds_the_runtime_and_names_the_fix_for_an_unknown_keyword(cls: type) -> None:
+    assert cls.settings_class is LayerwiseSettings and cls.runtime_class is DecoupledRuntime
+    strategy = cls()
+    assert isinstance(strategy.runtime, DecoupledRuntime) and strategy.runtime.owner == "LayerwiseStrategy"
+    with pytest.raises(
+        TypeError, match=r"LayerwiseStrategy: unexpected keyword argument 'bogus'.*settings=LayerwiseSettings\("
+    ):
+        cls(bogus=1)

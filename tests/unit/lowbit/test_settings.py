@@ -195,3 +195,14 @@ def test_yaml_settings_reach_the_strategy_and_a_bad_value_fails_before_training(
         chain.append(str(error))
         error = error.__cause__ or error.__context__
     assert "SparseFlipSettings.flip.max_per_step=0: use an int >= 1" in "\n".join(chain)
+
+
+@pytest.mark.parametrize("cls", ADAPTERS)
+def test_the_base_builds_the_runtime_and_names_the_fix_for_an_unknown_keyword(cls: type) -> None:
+    assert cls.settings_class is SparseFlipSettings and cls.runtime_class is SparseFlipRuntime
+    strategy = cls()
+    assert isinstance(strategy.runtime, SparseFlipRuntime) and strategy.runtime.owner == "SparseFlipStrategy"
+    with pytest.raises(
+        TypeError, match=r"SparseFlipStrategy: unexpected keyword argument 'bogus'.*settings=SparseFlipSettings\("
+    ):
+        cls(bogus=1)

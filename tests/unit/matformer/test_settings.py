@@ -206,3 +206,14 @@ def test_a_0_1_key_under_init_args_fails_naming_the_new_key(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         build_cli(["--config", str(config)], run=False)
     assert f"-> '{new}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", [MatFormerStrategy, FabricMatFormerStrategy])
+def test_the_base_builds_the_runtime_and_names_the_fix_for_an_unknown_keyword(cls: type) -> None:
+    assert cls.settings_class is MatFormerSettings and cls.runtime_class is MatFormerRuntime
+    strategy = cls()
+    assert isinstance(strategy.runtime, MatFormerRuntime) and strategy.runtime.owner == "MatFormerStrategy"
+    with pytest.raises(
+        TypeError, match=r"MatFormerStrategy: unexpected keyword argument 'bogus'.*settings=MatFormerSettings\("
+    ):
+        cls(bogus=1)

@@ -174,3 +174,17 @@ def test_a_subspace_wider_than_the_model_names_the_setting(settings: SubspacePip
     with pytest.raises(ValueError, match=match):
         runtime.check_width(128)
     runtime.check_width(1000 if settings.subspace_dim is None else 200)  # wide enough: no error
+
+
+@pytest.mark.parametrize("cls", ADAPTERS)
+def test_the_base_builds_the_runtime_and_names_the_fix_for_an_unknown_keyword(cls: type) -> None:
+    assert cls.settings_class is SubspacePipelineSettings and cls.runtime_class is SubspacePipelineRuntime
+    strategy = cls()
+    assert (
+        isinstance(strategy.runtime, SubspacePipelineRuntime) and strategy.runtime.owner == "SubspacePipelineStrategy"
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"SubspacePipelineStrategy: unexpected keyword argument 'bogus'.*settings=SubspacePipelineSettings\(",
+    ):
+        cls(bogus=1)
