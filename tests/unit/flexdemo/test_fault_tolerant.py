@@ -54,11 +54,27 @@ class _Regression(__import__("lightning").LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         metrics = self.trainer.callback_metrics
         self.logged.append({k: float(v) for k, v in metrics.items() if k.startswith("ft/")})
-        self.checkpoint_extra = self.trainer.strategy.runtime.extra_checkpoint_state(torch.device("cpu"))
+        runtime = self.trainer.strategy.runtime
+        self.checkpoint_extra = runtime.extra_checkpoint_state(torch.device("cpu"))
+        if batch_idx == 2:
+            self.recovered = _recovery_round_trip(runtime.replica)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _recovery_round_trip(replica) -> dict:
+    """What a joining replica would load from this one: its state through the recovery codec, checked against its own
+    layout, loaded back (LR schedulers included)."""
+    from lightning_hetero.ft.codec import decode_state, encode_state
+
+    step = replica.current_step()
+    blob = encode_state({"user": {"default": replica.state_dict()}, "torchft": replica.manager.state_dict()}, step)
+    state = decode_state(blob, replica._receiver_layout(), peer=1, step=step)["user"]["default"]
+    replica.load_state_dict(state)
+    return state
 
 
 def _data() -> DataLoader:
@@ -100,6 +116,10 @@ def test_a_trainer_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
     unchanged = all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
     assert unchanged is not committed  # an uncommitted step is undone: weights as before (and the replicator's step)
     assert strategy.optimizers[0].replicator.step == (3 if committed else 0)
+    # A recovery carries the LR schedule (a joiner continues the survivors' schedule) through the codec.
+    (scheduler,) = module.recovered["extra"]["lr_schedulers"]
+    assert scheduler["last_epoch"] == 3 and scheduler["_last_lr"] == pytest.approx([0.05 * 0.5])
+    assert strategy.lr_scheduler_configs[0].scheduler.last_epoch == 3
     # Checkpoints carry torchft's committed step (the runtime's extra state).
     assert module.checkpoint_extra == {"torchft": {"step": 3 if committed else 0, "batches_committed": 3 * committed}}
 
