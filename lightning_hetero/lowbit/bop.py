@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_hetero.lowbit.flip import FlipOptimizer, apply_moves
+from lightning_hetero.lowbit.flip import FlipOptimizer, apply_moves, check_bop_parameters
 from lightning_hetero.lowbit.layers import _LowBitWeight
 
 __all__ = ["BopFlip"]
@@ -61,12 +61,7 @@ class BopFlip(FlipOptimizer):
         seed: int = 0,
     ) -> None:
         super().__init__(layers, seed)
-        if not 0 < gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
-        if not threshold > 0:
-            raise ValueError(f"threshold must be > 0, got {threshold}.")
-        if not 0 <= reset <= 1:
-            raise ValueError(f"reset must be in [0, 1], got {reset}.")
+        check_bop_parameters(gamma, threshold, reset)
         if dtype not in (torch.float16, torch.int8):
             raise ValueError(f"dtype must be torch.float16 or torch.int8, got {dtype}.")
         self.gamma, self.threshold, self.normalize, self.reset, self.dtype = gamma, threshold, normalize, reset, dtype

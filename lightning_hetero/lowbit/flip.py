@@ -35,9 +35,24 @@ __all__ = [
     "StochasticFlip",
     "TopKFlip",
     "apply_moves",
+    "check_bop_parameters",
     "move_allowed",
     "topk_moves",
 ]
+
+
+def check_bop_parameters(gamma: float, threshold: float, reset: float) -> None:
+    """Raise ``ValueError`` unless Bop's ``gamma`` is in (0, 1], ``threshold`` > 0 and ``reset`` in [0, 1].
+
+    One check for both Bop flavours: the local optimizer (:class:`~lightning_hetero.lowbit.bop.BopFlip`) and the
+    rule on the aggregated gradient (:class:`~lightning_hetero.lowbit.rules.BopRule`).
+    """
+    if not 0 < gamma <= 1:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}.")
+    if not 0 <= reset <= 1:
+        raise ValueError(f"reset must be in [0, 1], got {reset}.")
 
 
 def move_allowed(codes: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:

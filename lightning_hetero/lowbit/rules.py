@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_hetero.lowbit.flip import move_allowed, topk_moves
+from lightning_hetero.lowbit.flip import check_bop_parameters, move_allowed, topk_moves
 
 __all__ = ["BopRule", "LocalBop", "ThresholdRule", "TopKRule"]
 
@@ -86,12 +86,7 @@ class BopRule:
     def __init__(
         self, offsets: Sequence[int], gamma: float, threshold: float, reset: float = 0.0, cap: int | None = None
     ) -> None:
-        if not 0 < gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
-        if not threshold > 0:
-            raise ValueError(f"threshold must be > 0, got {threshold}.")
-        if not 0 <= reset <= 1:
-            raise ValueError(f"reset must be in [0, 1], got {reset}.")
+        check_bop_parameters(gamma, threshold, reset)
         if cap is not None and cap < 1:
             raise ValueError(f"cap must be >= 1 or None, got {cap}.")
         self.offsets = list(offsets)

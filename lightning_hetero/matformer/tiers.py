@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from lightning_hetero.comm.ledger import wire_bytes
 from lightning_hetero.matformer.helper_ranks import HelperConfig, drawn_neurons
@@ -26,6 +28,7 @@ from lightning_hetero.matformer.types import FFNParameter
 
 __all__ = [
     "MODES",
+    "BucketOptions",
     "TierWeights",
     "bucket_numels",
     "bytes_per_step",
@@ -41,6 +44,16 @@ MODES = ("mean", "sign", "demo")
 
 TierWeights = Mapping[int, float] | Sequence[float]
 """Weight of each tier's contribution: ``{tier: weight}`` or a sequence indexed by tier."""
+
+
+class BucketOptions(TypedDict, total=False):
+    """The keyword options of :func:`bucket_numels`, which :func:`bytes_per_step` passes on (defaults there)."""
+
+    mode: str
+    dtypes: torch.dtype | Mapping[str, torch.dtype]
+    tier_weights: TierWeights | None
+    helpers: Mapping[int, HelperConfig] | None
+
 
 _INT8_MAX_VOTERS = 127  # an int8 sum of n votes in {-1, 0, 1} cannot overflow while n <= 127
 
@@ -167,25 +180,19 @@ def bytes_per_step(
     layout: TierLayout,
     ffn_params: Sequence[FFNParameter],
     param_shapes: Mapping[str, Sequence[int]],
-    *,
-    mode: str = "mean",
-    dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
-    tier_weights: TierWeights | None = None,
-    helpers: Mapping[int, HelperConfig] | None = None,
+    **options: Unpack[BucketOptions],
 ) -> list[int]:
     """Bytes each rank sends (and, equally, receives) per step under the ledger's all-reduce rule.
 
     Per bucket of ``n`` members and ``S`` bytes, each member moves ``2 * (n - 1) * S // n`` each way
     (:func:`~lightning_hetero.comm.ledger.wire_bytes`); a rank's total is the sum over the buckets it belongs to.
-    Arguments as for :func:`bucket_numels`. Returns one count per rank. For ``mode="demo"`` use
-    :func:`~lightning_hetero.matformer.compressed.demo_bytes_per_step`.
+    Arguments as for :func:`bucket_numels` (``options``: :class:`BucketOptions`). Returns one count per rank. For
+    ``mode="demo"`` use :func:`~lightning_hetero.matformer.compressed.demo_bytes_per_step`.
     """
-    if mode == "demo":
+    if options.get("mode") == "demo":
         raise ValueError("bytes_per_step counts all-reduces; for mode='demo' use compressed.demo_bytes_per_step.")
     totals = [0] * layout.world_size
-    buckets = bucket_numels(
-        layout, ffn_params, param_shapes, mode=mode, dtypes=dtypes, tier_weights=tier_weights, helpers=helpers
-    )
+    buckets = bucket_numels(layout, ffn_params, param_shapes, **options)
     for (members, dtype), numel in buckets.items():
         sent, _ = wire_bytes("all_reduce", numel * torch.empty(0, dtype=dtype).element_size(), len(members))
         for rank in members:

@@ -31,17 +31,13 @@ __all__ = ["SparseFlipStrategy"]
 
 
 class SparseFlipStrategy(FabricStrategyBase[SparseFlipSettings]):
-    """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks.
-
-    Raises:
-        RenamedSettingError: a keyword of 0.1 (``kind``, ``density``, ...) was given; the message names its new key.
-    """
+    """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks."""
 
     settings_class = SparseFlipSettings
     runtime_class = SparseFlipRuntime
 
     def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
         self.last_metrics: dict[str, float] = {}
         """The ``lowbit/*`` and ``comm/*`` metrics of the last optimizer step."""

@@ -48,15 +48,14 @@ def lowbit_summary(module: nn.Module, kind: str) -> str:
 class SparseFlipStrategy(TrainerStrategyBase[SparseFlipSettings]):
     """Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients (seed 003).
 
-    Raises:
-        RenamedSettingError: a keyword of 0.1 (``kind``, ``density``, ...) was given; the message names its new key.
+    A keyword of 0.1 (``kind``, ``density``, ...) raises ``RenamedSettingError`` naming its new key.
     """
 
     settings_class = SparseFlipSettings
     runtime_class = SparseFlipRuntime
 
     def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     @override

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hetero.lowbit import BopFlip, CodeLayout, convert_model
+from lightning_hetero.lowbit.layers import LowBitLinear
 from lightning_hetero.lowbit.rules import BopRule, TopKRule
 
 
@@ -100,3 +101,19 @@ def test_local_bop_runtime_alone_moves_exactly_like_bop_flip():
         moved += int(runtime.after_optimizer_step()["lowbit/flips"])
         assert torch.equal(CodeLayout(reference).flat_codes(), runtime.layout.flat_codes()), step
     assert moved > 0
+
+
+@pytest.mark.parametrize(
+    ("gamma", "threshold", "reset", "match"),
+    [(0.0, 0.5, 0.0, "gamma must be in"), (0.1, 0.0, 0.0, "threshold must be > 0"), (0.1, 0.5, 2.0, "reset must be")],
+)
+def test_bop_flip_and_bop_rule_refuse_the_same_parameters_with_one_check(gamma, threshold, reset, match):
+    from lightning_hetero.lowbit.flip import check_bop_parameters
+
+    for build in (
+        lambda: check_bop_parameters(gamma, threshold, reset),
+        lambda: BopRule([0, 4], gamma, threshold, reset),
+        lambda: BopFlip(nn.ModuleList([LowBitLinear(4, 1, mode="flip")]), gamma, threshold, reset=reset),
+    ):
+        with pytest.raises(ValueError, match=match):
+            build()
