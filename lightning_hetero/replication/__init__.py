@@ -22,7 +22,7 @@ from lightning_hetero.replication.dense import (
     coordinate_schedule,
 )
 from lightning_hetero.replication.diloco import DiLoCoReplicator
-from lightning_hetero.replication.settings import ReplicationSettings
+from lightning_hetero.replication.settings import REPLICATORS, ReplicationSettings
 from lightning_hetero.replication.sparse import COMBINE_MODES, DeMoReplicator, TopKReplicator
 
 __all__ = [
@@ -43,15 +43,6 @@ __all__ = [
     "kept_count",
     "validate_compression",
 ]
-
-REPLICATORS: dict[str, type[Replicator]] = {
-    "demo": DeMoReplicator,
-    "random": RandomReplicator,
-    "striding": StridingReplicator,
-    "diloco": DiLoCoReplicator,
-    "full": FullReplicator,
-    "topk": TopKReplicator,
-}
 
 
 def build_replicator(name: str, compression: float = 1 / 32, **options: Any) -> Replicator:

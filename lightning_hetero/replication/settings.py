@@ -18,7 +18,14 @@ from lightning_hetero.replication.dense import FullReplicator, RandomReplicator,
 from lightning_hetero.replication.diloco import DiLoCoReplicator
 from lightning_hetero.replication.sparse import _MAX_CHUNK, COMBINE_MODES, DeMoReplicator, TopKReplicator
 
-__all__ = ["DEFAULT_KEPT_FRACTION", "DEFAULT_SYNC_EVERY", "ReplicationSettings", "ReplicatorKind", "ValueEncoding"]
+__all__ = [
+    "DEFAULT_KEPT_FRACTION",
+    "DEFAULT_SYNC_EVERY",
+    "REPLICATORS",
+    "ReplicationSettings",
+    "ReplicatorKind",
+    "ValueEncoding",
+]
 
 ReplicatorKind = Literal["demo", "random", "striding", "diloco", "full", "topk"]
 ValueEncoding = Literal["fp32", "bf16", "sign", "ternary"]
@@ -29,7 +36,7 @@ DEFAULT_SYNC_EVERY = 32
 """DiLoCo's local steps between synchronisations when none is given (the bytes per step of a 1/32 kept fraction)."""
 
 _OWNER = "ReplicationSettings"
-_CLASSES: dict[str, type[Replicator]] = {
+REPLICATORS: dict[str, type[Replicator]] = {
     "demo": DeMoReplicator,
     "random": RandomReplicator,
     "striding": StridingReplicator,
@@ -37,6 +44,7 @@ _CLASSES: dict[str, type[Replicator]] = {
     "full": FullReplicator,
     "topk": TopKReplicator,
 }
+"""Each replicator kind's class (``ReplicationSettings.build`` and ``build_replicator`` look kinds up here)."""
 # Which kinds each kind-specific field applies to (a field at its default is never an error).
 _APPLIES_TO: dict[str, tuple[str, ...]] = {
     "kept_fraction": ("demo", "random", "striding", "topk"),
@@ -183,7 +191,7 @@ class ReplicationSettings:
                 outer_chunk=self.outer_chunk,
             )
         if kind in ("random", "striding"):
-            return _CLASSES[kind](self.kept_fraction, values=self.values, seed=self.seed)
-        return _CLASSES[kind](
+            return REPLICATORS[kind](self.kept_fraction, values=self.values, seed=self.seed)
+        return REPLICATORS[kind](
             self.kept_fraction, chunk=self.chunk, values=self.values, index_bits=self.index_bits, combine=self.combine
         )

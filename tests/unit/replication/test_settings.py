@@ -108,3 +108,16 @@ def test_build_matches_build_replicator(settings: ReplicationSettings, cls: type
 def test_diloco_default_period_is_32() -> None:
     replicator = ReplicationSettings(kind="diloco").build()
     assert isinstance(replicator, DiLoCoReplicator) and replicator.sync_every == 32 and replicator.outer_codec is None
+
+
+def test_one_table_maps_each_kind_to_its_class():
+    from typing import get_args
+
+    from lightning_hetero import replication
+    from lightning_hetero.replication import settings as settings_module
+
+    assert replication.REPLICATORS is settings_module.REPLICATORS  # declared once, re-exported
+    assert set(settings_module.REPLICATORS) == set(get_args(settings_module.ReplicatorKind))
+    for kind, cls in settings_module.REPLICATORS.items():
+        if kind != "diloco":  # diloco takes no kept_fraction
+            assert type(ReplicationSettings(kind=kind).build()) is cls
