@@ -59,7 +59,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(address: str, replica: int, out: Path) -> subprocess.Popen:
+def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Popen:
     env = {
         **os.environ,
         "RUST_LOG": "warn",
@@ -77,7 +77,7 @@ def _start(address: str, replica: int, out: Path) -> subprocess.Popen:
     }
     log = (out / f"worker_{replica}_{time.monotonic_ns()}.log").open("w")
     command = [sys.executable, str(WORKER), "--lighthouse", address, "--out", str(out), "--forbid-pickle"]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return subprocess.Popen([*command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 @pytest.mark.timeout(900)
@@ -117,6 +117,14 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
             peer = next(r for r in _steps(tmp_path, i) if r["step"] == first["step"])
             assert peer["digest"] == first["digest"], f"the rejoined group differs from group {i} after its first step"
             assert peer["participants"] == first["participants"] == 3
+
+        # A replica group whose own layout differs (hidden width 24): the recovery a live peer sends is refused, and
+        # the PeerPayloadError comes out of trainer.fit naming the peer and the field.
+        procs["impostor"] = _start(address, 3, tmp_path, "--hidden", "24")  # no _wait after this: it exits 3
+        assert procs["impostor"].wait(timeout=300) == 3
+        error = (tmp_path / "replica_3.error").read_text()
+        assert "PeerPayloadError" in error and "recovery checkpoint from replica" in error, error
+        assert "this replica holds F32 [24, 8]" in error, error
 
         last = max(r["step"] for i in range(3) for r in _steps(tmp_path, i))
         (tmp_path / "stop").write_text(str(last + 3))
