@@ -17,10 +17,11 @@ optimizer state with momenta / error feedback, replicator state, the committed s
 through :class:`~lightning_hetero.ft.transport.SafeCheckpointTransport` before its first forward, takes part in that
 step's average and applies the same update, so after its first step it is bit-identical to the survivors.
 
-Replicators (:mod:`lightning_hetero.replication`) exchange through the Manager with :meth:`FaultTolerantReplica.launch`
-(``"reduce"`` wire: one all-reduce sum; ``"gather"`` wire: every participant writes its bytes into its own slot of a
-zeroed buffer and the buffer is all-reduced, which is an all-gather on a group that only offers all-reduce), with
-the replicator's ``num_replicas`` set to this step's participant count so its average is over the replicas present.
+Replicators (:mod:`lightning_hetero.replication`) exchange through the Manager once
+:meth:`FaultTolerantReplica.manage` set their ``collectives`` hook: :meth:`FaultTolerantReplica.launch` (``"reduce"``
+wire: one all-reduce sum; ``"gather"`` wire: every participant writes its bytes into its own slot of a zeroed buffer
+and the buffer is all-reduced, which is an all-gather on a group that only offers all-reduce), with the replicator's
+``num_replicas`` set to this step's participant count so its average is over the replicas present.
 """
 
 from __future__ import annotations
