@@ -37,13 +37,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hetero import comm
-from lightning_hetero.core import StrategyRuntime, WorldLayout, average_gradients, broadcast_module_state
+from lightning_hetero.core import StrategyRuntime, average_gradients, broadcast_module_state
 from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
 from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
 from lightning_hetero.layerwise.loss_report import ModelLossReport
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer
 from lightning_hetero.layerwise.settings import LayerwiseSettings
-from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout
+from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, PipelinePlacement
 
 __all__ = ["CHECKPOINT_FORMAT", "MODES", "DecoupledRuntime"]
 
@@ -54,7 +54,7 @@ TRAIN_TAG, EVAL_TAG = 10, 20
 _MUST_MATCH = ("num_stages", "signature", "aux_head", "family")
 
 
-class DecoupledRuntime(StrategyRuntime):
+class DecoupledRuntime(PipelinePlacement, StrategyRuntime):
     """The loop-independent part of the ``layerwise`` (DGL) strategies, shared by the Trainer and Fabric adapters.
 
     Args:
@@ -90,43 +90,11 @@ class DecoupledRuntime(StrategyRuntime):
 
     # ------------------------------------------------------------------------------------------------ topology
     @property
-    def num_stages(self) -> int:
-        return self.layout.num_stages
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.layout.data_parallel_size
-
-    def resolve_launch(self, world: WorldLayout) -> None:
-        self.layout.check_world(world.world_size, self.owner)
-
-    @property
-    def _groups(self) -> PipelineGroups:
-        if self.groups is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
-        return self.groups
-
-    @property
-    def stage_index(self) -> int:
-        return self._groups.stage
-
-    @property
     def stage(self) -> DGLStageModel:
+        """This rank's stage module (after :meth:`setup`)."""
         if self.container is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+            raise self._not_set_up()
         return self.container
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
-    def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
-        """Every stage of a replica reads the same batches: shard the data by replica only."""
-        return {"num_replicas": self.data_parallel_size, "rank": self.layout.dp_rank_of(global_rank)}
 
     def _link(self, direction: str, tag: int) -> ActivationLink:
         key = f"{direction}{tag}"
@@ -185,7 +153,7 @@ class DecoupledRuntime(StrategyRuntime):
     @property
     def _stack(self) -> Any:
         if self.stack is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+            raise self._not_set_up()
         return self.stack
 
     # ------------------------------------------------------------------------------------------------ steps

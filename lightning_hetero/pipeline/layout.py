@@ -12,11 +12,14 @@ Shared by the subspace pipeline and decoupled layerwise training. Nothing here i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-__all__ = ["PipelineGroups", "PipelineLayout", "split_layers"]
+if TYPE_CHECKING:
+    from lightning_hetero.core.runtime import WorldLayout
+
+__all__ = ["PipelineGroups", "PipelineLayout", "PipelinePlacement", "split_layers"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,66 @@ class PipelineGroups:
         self.last_rank = ranks[-1]
         """Global rank of this replica's last stage (it computes the loss)."""
         self.first_rank = ranks[0]
+
+
+class PipelinePlacement:
+    """Where a pipeline runtime's rank sits: the world check, replica-only sampling and the views of ``groups``.
+
+    Mixed into the runtimes of the subspace pipeline and of layerwise training, which set :attr:`owner` (named in
+    errors), :attr:`layout` in ``__init__`` and :attr:`groups` in ``setup``. The views raise a clear error before
+    ``setup``.
+    """
+
+    owner: str
+    layout: PipelineLayout
+    groups: PipelineGroups | None = None
+
+    @property
+    def num_stages(self) -> int:
+        """``P``."""
+        return self.layout.num_stages
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``D``."""
+        return self.layout.data_parallel_size
+
+    def resolve_launch(self, world: WorldLayout) -> None:
+        """Check the world size against ``num_stages * data_parallel_size`` (raises before any process starts)."""
+        self.layout.check_world(world.world_size, self.owner)
+
+    def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
+        """DistributedSampler arguments: every stage of a replica reads the same batches (shard by replica only)."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.layout.dp_rank_of(global_rank)}
+
+    def _not_set_up(self) -> RuntimeError:
+        return RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+
+    @property
+    def _groups(self) -> PipelineGroups:
+        if self.groups is None:
+            raise self._not_set_up()
+        return self.groups
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's stage."""
+        return self._groups.stage
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica."""
+        return self._groups.dp_rank
+
+    @property
+    def is_first(self) -> bool:
+        """This rank runs the first stage."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This rank runs the last stage."""
+        return self.stage_index == self.num_stages - 1
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

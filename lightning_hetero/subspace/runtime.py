@@ -33,12 +33,11 @@ from torch.optim import Optimizer
 from lightning_hetero import comm
 from lightning_hetero.core import (
     StrategyRuntime,
-    WorldLayout,
     average_gradients,
     broadcast_module_state,
     clip_grad_norm_over_group,
 )
-from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, split_layers
+from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, PipelinePlacement, split_layers
 from lightning_hetero.pipeline.stage_gather import gather_stage_states, stage_bytes_limit
 from lightning_hetero.subspace import checkpoint as ckpt
 from lightning_hetero.subspace.container import PipelineStageModel, find_container, hollow_into, locate_decoder
@@ -56,7 +55,7 @@ DP_LABEL = comm.INTRA
 """Ledger label of the replicas' gradient average (one stage's replicas share a node in the rank layout)."""
 
 
-class SubspacePipelineRuntime(StrategyRuntime):
+class SubspacePipelineRuntime(PipelinePlacement, StrategyRuntime):
     """The loop-independent part of the subspace pipeline, shared by the Trainer and Fabric strategies.
 
     Args:
@@ -98,48 +97,11 @@ class SubspacePipelineRuntime(StrategyRuntime):
 
     # ------------------------------------------------------------------------------------------------ topology
     @property
-    def num_stages(self) -> int:
-        """``P``."""
-        return self.layout.num_stages
-
-    @property
-    def data_parallel_size(self) -> int:
-        """``D``."""
-        return self.layout.data_parallel_size
-
-    def resolve_world(self, world_size: int) -> None:
-        """Check the world size against ``num_stages * data_parallel_size`` (raises before anything starts)."""
-        self.layout.check_world(world_size, self.owner)
-
-    def resolve_launch(self, world: WorldLayout) -> None:
-        self.resolve_world(world.world_size)
-
-    @property
     def stage(self) -> nn.Module:
         """This rank's stage module (after :meth:`setup`)."""
         if self.container is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+            raise self._not_set_up()
         return self.container.stage
-
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage."""
-        return self._groups.stage
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's replica."""
-        return self._groups.dp_rank
-
-    @property
-    def _groups(self) -> PipelineGroups:
-        if self.groups is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
-        return self.groups
-
-    def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
-        """DistributedSampler arguments: every stage of a replica reads the same batches (shard by replica only)."""
-        return {"num_replicas": self.data_parallel_size, "rank": self.layout.dp_rank_of(global_rank)}
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, module: nn.Module, device: torch.device, global_rank: int) -> nn.Module:
@@ -277,7 +239,7 @@ class SubspacePipelineRuntime(StrategyRuntime):
     @property
     def _executor(self) -> PipelineExecutor:
         if self.executor is None:
-            raise RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")
+            raise self._not_set_up()
         return self.executor
 
     def _broadcast_loss(self, losses: Sequence[Tensor], device: torch.device) -> Tensor:
