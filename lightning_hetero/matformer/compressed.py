@@ -365,6 +365,27 @@ def _bucket_shapes(
     return buckets
 
 
+def _demo_payloads(
+    layout: TierLayout,
+    ffn_params: Sequence[FFNParameter],
+    param_shapes: Mapping[str, Sequence[int]],
+    replication: ReplicationSettings | None,
+) -> dict[tuple[int, ...], int]:
+    """The DeMo payload of each bucket that has more than one member (a lone member exchanges nothing)."""
+    replicator = build_demo_replicator(replication)
+    buckets = _bucket_shapes(layout, ffn_params, param_shapes)
+    return {members: replicator.payload_bytes(shapes) for members, shapes in buckets.items() if len(members) > 1}
+
+
+def _per_rank(world_size: int, per_bucket: Mapping[tuple[int, ...], int]) -> list[int]:
+    """Each rank's total over the buckets it belongs to."""
+    totals = [0] * world_size
+    for members, amount in per_bucket.items():
+        for rank in members:
+            totals[rank] += amount
+    return totals
+
+
 def demo_payload_bytes(
     layout: TierLayout,
     ffn_params: Sequence[FFNParameter],
@@ -380,14 +401,7 @@ def demo_payload_bytes(
     None: the defaults). Other arguments as for :func:`~lightning_hetero.matformer.tiers.bucket_numels` (full shapes
     of every parameter with a gradient).
     """
-    replicator = build_demo_replicator(replication)
-    totals = [0] * layout.world_size
-    for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
-        if len(members) > 1:
-            payload = replicator.payload_bytes(shapes)
-            for rank in members:
-                totals[rank] += payload
-    return totals
+    return _per_rank(layout.world_size, _demo_payloads(layout, ffn_params, param_shapes, replication))
 
 
 def demo_bytes_per_step(
@@ -402,11 +416,5 @@ def demo_bytes_per_step(
     The all-gather rule of :func:`~lightning_hetero.comm.ledger.wire_bytes`; compare with
     :func:`~lightning_hetero.matformer.tiers.bytes_per_step` for ``mean``.
     """
-    replicator = build_demo_replicator(replication)
-    totals = [0] * layout.world_size
-    for members, shapes in _bucket_shapes(layout, ffn_params, param_shapes).items():
-        if len(members) > 1:
-            sent = (len(members) - 1) * replicator.payload_bytes(shapes)
-            for rank in members:
-                totals[rank] += sent
-    return totals
+    payloads = _demo_payloads(layout, ffn_params, param_shapes, replication)
+    return _per_rank(layout.world_size, {members: (len(members) - 1) * n for members, n in payloads.items()})
