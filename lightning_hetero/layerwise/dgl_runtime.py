@@ -39,11 +39,12 @@ from torch import Tensor, nn
 from lightning_hetero import comm
 from lightning_hetero.core import StrategyRuntime, average_gradients, broadcast_module_state
 from lightning_hetero.layerwise.decoupled import ActivationLink, batch_signature
-from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output, find_dgl_stage
+from lightning_hetero.layerwise.dgl_stage import DGLStageModel, build_dgl_stage, check_head_output
 from lightning_hetero.layerwise.loss_report import ModelLossReport
 from lightning_hetero.layerwise.replay import BatchRing, ReplayBuffer
 from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, PipelinePlacement
+from lightning_hetero.pipeline.stage_holder import find_stage_holder
 
 __all__ = ["CHECKPOINT_FORMAT", "MODES", "DecoupledRuntime"]
 
@@ -127,13 +128,9 @@ class DecoupledRuntime(PipelinePlacement, StrategyRuntime):
                 role, peer = ("send", receiver) if global_rank == sender else ("receive", sender)
             lag = (self.num_stages - 1) * (self.settings.max_in_flight + 1)  # how far stage 0 can run ahead anyway
             self.loss_report = ModelLossReport(role, peer, device, lag, window=lag + self.settings.replay_capacity + 1)
-        existing = find_dgl_stage(module)
+        existing = find_stage_holder(module, DGLStageModel)
         if existing is not None:
-            if existing.num_stages != self.num_stages:
-                raise ValueError(
-                    f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the module holds a "
-                    f"{existing.num_stages}-stage pipeline."
-                )
+            self._check_holder(existing)
             self.container = existing
             return module
         self.stack, self.container = build_dgl_stage(

@@ -26,41 +26,29 @@ from torch import Tensor, nn
 
 from lightning_hetero.layerwise.blocks import split_into_blocks
 from lightning_hetero.layerwise.stack import AUX_HEAD_KINDS, BlockStack
+from lightning_hetero.pipeline.stage_holder import StageHolder
 
-__all__ = ["DGLStageModel", "build_dgl_stage", "check_head_output", "find_dgl_stage"]
+__all__ = ["DGLStageModel", "build_dgl_stage", "check_head_output"]
 
 
-class DGLStageModel(nn.Module):
+class DGLStageModel(StageHolder):
     """Holds one stage of a DGL pipeline in place of the user's model (see the module docstring).
 
     Calling it is an error: the strategy runs the stage (``strategy.train_step`` / ``eval_step``).
     """
 
+    pipeline_name = "LayerwiseStrategy (DGL)"
+    how_to_run = (
+        "The strategy runs it (Trainer), or call strategy.train_step(batch) / strategy.eval_step(batch) (Fabric)."
+    )
+
     def __init__(
         self, stem: nn.Module | None, block: nn.Module, head: nn.Module, stage_index: int, num_stages: int, config: Any
     ) -> None:
-        super().__init__()
+        super().__init__(config, stage_index, num_stages)
         self.stem = stem
         self.block = block
         self.head = head
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.config = config
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"This model is stage {self.stage_index} of a {self.num_stages}-stage LayerwiseStrategy (DGL) pipeline; "
-            "it cannot run on its own. The strategy runs it (Trainer), or call strategy.train_step(batch) / "
-            "strategy.eval_step(batch) (Fabric)."
-        )
-
-
-def find_dgl_stage(module: nn.Module) -> DGLStageModel | None:
-    """The :class:`DGLStageModel` inside ``module`` (or ``module`` itself), if setup already put one there."""
-    for sub in module.modules():
-        if isinstance(sub, DGLStageModel):
-            return sub
-    return None
 
 
 def check_head_output(head_output: Tensor, num_outputs: int, stage: int, kind: str) -> None:

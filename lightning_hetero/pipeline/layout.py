@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_hetero.core.runtime import WorldLayout
+    from lightning_hetero.pipeline.stage_holder import StageHolder
 
 __all__ = ["PipelineGroups", "PipelineLayout", "PipelinePlacement", "split_layers"]
 
@@ -130,6 +131,14 @@ class PipelinePlacement:
     def sampler_kwargs(self, global_rank: int) -> dict[str, int]:
         """DistributedSampler arguments: every stage of a replica reads the same batches (shard by replica only)."""
         return {"num_replicas": self.data_parallel_size, "rank": self.layout.dp_rank_of(global_rank)}
+
+    def _check_holder(self, existing: StageHolder) -> None:
+        """Refuse a module whose stage (from an earlier setup) belongs to a pipeline of another length."""
+        if existing.num_stages != self.num_stages:
+            raise ValueError(
+                f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the module already holds stage "
+                f"{existing.stage_index} of a {existing.num_stages}-stage pipeline."
+            )
 
     def _not_set_up(self) -> RuntimeError:
         return RuntimeError(f"{self.owner}: the pipeline is not set up yet (the strategy does it in setup).")

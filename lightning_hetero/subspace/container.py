@@ -7,12 +7,13 @@ from typing import Any
 from torch import nn
 
 from lightning_hetero.hf.decoder import find_decoder
+from lightning_hetero.pipeline.stage_holder import StageHolder
 from lightning_hetero.subspace.layers import CONFINED_WRITER_TYPES
 
-__all__ = ["PipelineStageModel", "find_container", "hollow_into", "locate_decoder"]
+__all__ = ["PipelineStageModel", "hollow_into", "locate_decoder"]
 
 
-class PipelineStageModel(nn.Module):
+class PipelineStageModel(StageHolder):
     """Takes the place of the user's HF model inside their module: holds only this rank's stage.
 
     Its parameters are the stage's, so ``configure_optimizers`` (``self.parameters()``) builds an optimizer over this
@@ -25,20 +26,15 @@ class PipelineStageModel(nn.Module):
         num_stages: Number of stages.
     """
 
-    def __init__(self, stage: nn.Module, config: Any, stage_index: int, num_stages: int) -> None:
-        super().__init__()
-        self.stage = stage
-        self.config = config
-        self.stage_index = stage_index
-        self.num_stages = num_stages
+    pipeline_name = "SubspacePipelineStrategy"
+    how_to_run = (
+        "The strategy runs the schedule for you (Trainer), or call strategy.train_step(batch) / "
+        "strategy.eval_step(batch) (Fabric). Export the whole model with strategy.export_dense(path)."
+    )
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"This model is stage {self.stage_index} of a {self.num_stages}-stage SubspacePipelineStrategy pipeline; "
-            "it cannot run on its own. The strategy runs the schedule for you (Trainer), or call "
-            "strategy.train_step(batch) / strategy.eval_step(batch) (Fabric). Export the whole model with "
-            "strategy.export_dense(path)."
-        )
+    def __init__(self, stage: nn.Module, config: Any, stage_index: int, num_stages: int) -> None:
+        super().__init__(config, stage_index, num_stages)
+        self.stage = stage
 
 
 def hollow_into(module: nn.Module, container: PipelineStageModel) -> None:
@@ -48,15 +44,6 @@ def hollow_into(module: nn.Module, container: PipelineStageModel) -> None:
         registry.clear()
     module.pipeline = container
     module.forward = container.forward  # type: ignore[method-assign]
-
-
-def find_container(module: nn.Module) -> PipelineStageModel | None:
-    if isinstance(module, PipelineStageModel):
-        return module
-    for sub in module.modules():
-        if isinstance(sub, PipelineStageModel):
-            return sub
-    return None
 
 
 def locate_decoder(module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:

@@ -39,8 +39,9 @@ from lightning_hetero.core import (
 )
 from lightning_hetero.pipeline.layout import PipelineGroups, PipelineLayout, PipelinePlacement, split_layers
 from lightning_hetero.pipeline.stage_gather import gather_stage_states, stage_bytes_limit
+from lightning_hetero.pipeline.stage_holder import find_stage_holder
 from lightning_hetero.subspace import checkpoint as ckpt
-from lightning_hetero.subspace.container import PipelineStageModel, find_container, hollow_into, locate_decoder
+from lightning_hetero.subspace.container import PipelineStageModel, hollow_into, locate_decoder
 from lightning_hetero.subspace.pipeline import (
     PipelineExecutor,
     shifted_ce_sum,
@@ -121,13 +122,9 @@ class SubspacePipelineRuntime(PipelinePlacement, StrategyRuntime):
         """
         if self.groups is None:
             self.groups = PipelineGroups(self.layout, global_rank)
-        existing = find_container(module)
+        existing = find_stage_holder(module, PipelineStageModel)
         if existing is not None:
-            if existing.num_stages != self.num_stages:
-                raise ValueError(
-                    f"{self.owner}: settings.pipeline.num_stages={self.num_stages}, but the module already holds stage "
-                    f"{existing.stage_index} of a {existing.num_stages}-stage pipeline."
-                )
+            self._check_holder(existing)
             self.container = existing
             layers = int(existing.config.num_hidden_layers)
             self.layer_ranges = [tuple(r) for r in split_layers(layers, self.num_stages)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_hetero.core import WorldLayout
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
@@ -35,3 +36,24 @@ def test_both_pipeline_runtimes_share_one_placement(build) -> None:
     for view in ("stage_index", "dp_rank", "is_first", "is_last", "stage"):
         with pytest.raises(RuntimeError, match=f"{runtime.owner}: the pipeline is not set up yet"):
             getattr(runtime, view)
+
+
+def test_a_stage_holder_refuses_to_run_and_a_runtime_refuses_a_holder_of_another_pipeline() -> None:
+    from torch import nn
+
+    from lightning_hetero.layerwise.dgl_stage import DGLStageModel
+    from lightning_hetero.pipeline.stage_holder import StageHolder, find_stage_holder
+    from lightning_hetero.subspace.container import PipelineStageModel
+
+    holders = [
+        DGLStageModel(None, nn.Linear(2, 2), nn.Linear(2, 2), 1, 3, None),
+        PipelineStageModel(nn.Linear(2, 2), None, 1, 3),
+    ]
+    for holder, build in zip(holders, RUNTIMES, strict=True):
+        assert isinstance(holder, StageHolder)
+        with pytest.raises(RuntimeError, match="stage 1 of a 3-stage .* pipeline; it cannot run on its own"):
+            holder(None)
+        assert find_stage_holder(nn.Sequential(nn.Linear(1, 1), holder), type(holder)) is holder
+        runtime = build()  # a 2-stage pipeline
+        with pytest.raises(ValueError, match=r"num_stages=2, but the module already holds stage 1 of a 3-stage"):
+            runtime.setup(nn.Sequential(holder), torch.device("cpu"), 1)  # rank 1 sends no loss report
