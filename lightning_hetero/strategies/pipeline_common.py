@@ -77,6 +77,8 @@ class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase[SettingsT]):
     """The error for ``manual_backward`` under manual optimization."""
     predict_refusal: ClassVar[str] = "This strategy does not run predict."
     """The error of ``trainer.predict``."""
+    accumulation_refusal: ClassVar[str] = "set accumulate_grad_batches=1."
+    """Why ``accumulate_grad_batches`` > 1 is refused, and the fix (the end of the error)."""
 
     def __init__(self, settings: Any, **kwargs: Any) -> None:
         super().__init__(settings, **kwargs)
@@ -84,7 +86,14 @@ class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase[SettingsT]):
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _check_trainer(self, trainer: L.Trainer) -> None:
-        """Refuse Trainer settings the strategy cannot honour (first thing in ``setup``, on every rank)."""
+        """Refuse Trainer settings the strategy cannot honour (first thing in ``setup``, on every rank): gradient
+        accumulation (the runtime's step already runs backward) and ``precision='16-mixed'``."""
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"{type(self).__name__} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
+                f"{self.accumulation_refusal}"
+            )
+        self._refuse_fp16_mixed()
 
     def _refuse_fp16_mixed(self) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):

@@ -53,9 +53,12 @@ class LayerwiseStrategy(PipelineTrainerStrategy[LayerwiseSettings]):
     fp16_mixed_refusal = "LayerwiseStrategy does not support precision='16-mixed'; use 'bf16-mixed' or '32-true'."
     manual_backward_refusal = "LayerwiseStrategy runs each stage's step itself; use automatic optimization."
     predict_refusal = "LayerwiseStrategy does not run predict; gather the stages and use a plain strategy."
+    accumulation_refusal = (
+        "each stage steps on every batch it trains on. Raise the batch size and set accumulate_grad_batches=1."
+    )
 
     def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     @override
@@ -81,12 +84,7 @@ class LayerwiseStrategy(PipelineTrainerStrategy[LayerwiseSettings]):
 
     @override
     def _check_trainer(self, trainer: L.Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"LayerwiseStrategy does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: each "
-                "stage steps on every batch it trains on. Raise the batch size and set accumulate_grad_batches=1."
-            )
-        self._refuse_fp16_mixed()
+        super()._check_trainer(trainer)
         if trainer.lightning_module is not None and not trainer.lightning_module.automatic_optimization:
             raise ValueError(self.manual_backward_refusal)
 

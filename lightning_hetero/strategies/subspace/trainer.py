@@ -64,13 +64,17 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy[SubspacePipelineSettings]
         "With SubspacePipelineStrategy, manual_backward() is not used: strategy.train_step(batch) runs the "
         "forward and backward of every microbatch; call optimizer.step() after it."
     )
+    accumulation_refusal = (
+        "the pipeline already accumulates gradients over its microbatches. Raise n_microbatches and the batch size "
+        "instead, and set accumulate_grad_batches=1."
+    )
     predict_refusal = (
         "SubspacePipelineStrategy does not run predict: export the model (strategy.export_dense(path)) and "
         "predict with a plain strategy."
     )
 
     def __init__(self, settings: SubspacePipelineSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
@@ -89,16 +93,6 @@ class SubspacePipelineStrategy(PipelineTrainerStrategy[SubspacePipelineSettings]
         return result
 
     # ------------------------------------------------------------------------------------------------ setup
-    @override
-    def _check_trainer(self, trainer: L.Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"SubspacePipelineStrategy does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
-                "the pipeline already accumulates gradients over its microbatches. Raise n_microbatches and the "
-                "batch size instead, and set accumulate_grad_batches=1."
-            )
-        self._refuse_fp16_mixed()
-
     @override
     def _train_batch(self, batch: Any, module: L.LightningModule) -> Tensor:
         return self.runtime.train_step(batch, module)

@@ -166,3 +166,12 @@ def test_the_base_builds_the_runtime_and_names_the_fix_for_an_unknown_keyword(cl
         TypeError, match=r"LayerwiseStrategy: unexpected keyword argument 'bogus'.*settings=LayerwiseSettings\("
     ):
         cls(bogus=1)
+
+
+def test_the_trainer_adapter_refuses_gradient_accumulation_naming_the_fix() -> None:
+    from types import SimpleNamespace
+
+    strategy = LayerwiseStrategy()
+    with pytest.raises(ValueError, match=r"LayerwiseStrategy does not support accumulate_grad_batches=4: each stage"):
+        strategy._check_trainer(SimpleNamespace(accumulate_grad_batches=4, lightning_module=None))
+    strategy._check_trainer(SimpleNamespace(accumulate_grad_batches=1, lightning_module=None))
