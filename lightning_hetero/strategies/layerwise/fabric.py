@@ -47,7 +47,7 @@ class LayerwiseStrategy(PipelineFabricStrategy[LayerwiseSettings]):
     )
 
     def __init__(self, settings: LayerwiseSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`LayerwiseSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     def train_step(self, batch: Any) -> Tensor:

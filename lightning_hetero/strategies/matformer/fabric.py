@@ -59,7 +59,7 @@ class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
     runtime_class = MatFormerRuntime
 
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""

@@ -55,7 +55,7 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
     runtime_class = MatFormerRuntime
 
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public

@@ -52,7 +52,7 @@ class SubspacePipelineStrategy(PipelineFabricStrategy[SubspacePipelineSettings])
     )
 
     def __init__(self, settings: SubspacePipelineSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning\'s arguments (see the base class)."""
+        """Takes a :class:`SubspacePipelineSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
 
     @property
