@@ -114,12 +114,18 @@ class OwnReplicatorCausalLM(CausalLMModule):
     """
 
     replicator_factory: Callable[[], Any] | None = None
+    use_sgd: bool = False
 
     @override
     def configure_optimizers(self) -> Any:
         from lightning_hetero.flexdemo.conversion import convert_optimizer, repoint_scheduler
 
         config = super().configure_optimizers()
+        if self.use_sgd:  # same groups, lr and schedule; the strategy converts SGD to DeMoSGD (momentum 0.999, sign)
+            adamw = config["optimizer"]
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+            config["optimizer"] = torch.optim.SGD(groups, lr=adamw.defaults["lr"])
+            repoint_scheduler(config["lr_scheduler"]["scheduler"], adamw, config["optimizer"])
         if self.replicator_factory is None:
             return config
         original = config["optimizer"]
@@ -155,6 +161,9 @@ def main() -> None:
         "--outer-compression", type=float, default=None, help="flexdemo diloco: DeMo + DiLoCo delta fraction (None)"
     )
     parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
+    parser.add_argument(
+        "--optimizer", choices=["adamw", "sgd"], default="adamw", help="flexdemo: the module's optimizer (sgd: DeMoSGD)"
+    )
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--lr-warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
     parser.add_argument("--seed", type=int, default=0, help="model initialization seed (the data order is fixed)")
@@ -197,6 +206,7 @@ def main() -> None:
             outer_compression=args.outer_compression,
         )
         module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
+        module.use_sgd = args.optimizer == "sgd"  # then its SGD becomes DeMoSGD (DeMo's optimizer)
         if not variant.error_feedback:
             module.replicator_factory = lambda: build_variant_replicator(variant)
         strategy = FlexDeMoStrategy(settings=FlexDeMoSettings(replication=variant.replication_settings()))
@@ -265,6 +275,7 @@ def main() -> None:
         "values": args.values if args.strategy == "flexdemo" else None,
         "replicator_options": variant.replicator_options() if variant else None,
         "error_feedback": variant.error_feedback if variant else None,
+        "optimizer": args.optimizer if args.strategy == "flexdemo" else "adamw",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))

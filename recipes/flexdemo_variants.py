@@ -9,6 +9,9 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
               | VALUES        fp32, bf16, sign or ternary (the wire encoding of the kept values)
               | "c" N         DCT block / top-k chunk side (demo, topk)
               | "noef"        error feedback off: what is not sent is dropped (demo, topk, random, striding)
+              | "sgd"         the module's optimizer is SGD, so FlexDeMo runs DeMoSGD (the DeMo paper's optimizer:
+                              momentum 0.999 of the raw gradients, DCT top-k of it sent, sign update) instead of
+                              DecoupledAdamW
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
@@ -36,7 +39,8 @@ VALUES = ("fp32", "bf16", "sign", "ternary")
 CHUNKED = ("demo", "topk")
 WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
 GRAMMAR_HELP = (
-    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-h<H>][-olr<x>][-om<x>][-demo1/N][@<lr>]"
+    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd][-h<H>][-olr<x>][-om<x>]"
+    "[-demo1/N][@<lr>]"
     f" with replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk (and diloco with demo1/N),"
     f" noef: {'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om/demo1/N: diloco only (e.g. demo-1/32-sign-c128@3e-4,"
     " diloco-h16-olr0.7, diloco-h8-demo1/32-bf16)"
@@ -60,6 +64,7 @@ class Variant:
     values: str | None = None
     chunk: int | None = None
     error_feedback: bool = True
+    optimizer: str = "adamw"
     sync_every: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -125,6 +130,8 @@ class Variant:
                     args += [flag, str(getattr(self, option))]
             if not self.error_feedback:
                 args.append("--no-error-feedback")
+            if self.optimizer != "adamw":
+                args += ["--optimizer", self.optimizer]
         if self.learning_rate is not None:
             args += ["--learning-rate", str(self.learning_rate)]
         return args
@@ -170,6 +177,8 @@ def parse_variant(name: str) -> Variant:
             put("compression", 1 / denominator, token)
         elif token in VALUES:
             put("values", token, token)
+        elif token == "sgd":
+            put("optimizer", "sgd", token)
         elif token == "noef":
             _only(name, token, replicator, WITH_ERROR_FEEDBACK, "error feedback off")
             put("error_feedback", False, token)
