@@ -31,13 +31,12 @@ not commit the step, and the weights and optimizer state were restored; the same
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
@@ -48,7 +47,7 @@ from lightning_hetero.strategies.lifecycle import FabricStrategyBase
 __all__ = ["FlexDeMoStrategy"]
 
 
-class FlexDeMoStrategy(FabricStrategyBase):
+class FlexDeMoStrategy(FabricStrategyBase[FlexDeMoSettings]):
     """Fabric strategy for FlexDeMo: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     One model and one optimizer per Fabric. ``setup_optimizers`` converts ``AdamW``/``Adam`` to ``DecoupledAdamW``
@@ -57,31 +56,18 @@ class FlexDeMoStrategy(FabricStrategyBase):
     ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``), and in the fault-tolerant mode
     ``ft/participants``, ``ft/committed`` and ``ft/step``.
 
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings`);
-            default: all defaults.
-        **kwargs: Fabric's arguments (``accelerator``, ``precision``, ``process_group_backend``, ``timeout``,
-            ``start_method``, ...): see :class:`~lightning_hetero.strategies.lifecycle.FabricStrategyBase`.
-
-    Raises:
-        RenamedSettingError: A 0.1 keyword (``replicator``, ``compression``, ``shard_size``, ...) was given; the
-            message names its place in the settings.
+    Usage: ``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2))``; in YAML,
+    ``strategy: {class_path: FlexDeMoStrategy, init_args: {settings: {shard_size: 2}}}``.
     """
 
-    settings_class: ClassVar[type] = FlexDeMoSettings
+    settings_class = FlexDeMoSettings
+    runtime_class = FlexDeMoRuntime
 
-    # The default is an instance, not None: jsonargparse then lists every settings field, with its doc, under the
-    # strategy's --help (an Optional dataclass shows as one opaque option). Frozen, so sharing it is safe.
     def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, FlexDeMoSettings.RENAMED)
-        super().__init__(FlexDeMoRuntime(settings, owner="FlexDeMoStrategy"), **kwargs)
+        """Takes a :class:`FlexDeMoSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
         self.last_comm_metrics: dict[str, float] = {}
         """The ``comm/*`` metrics of the last optimizer step."""
-
-    @property
-    def settings(self) -> FlexDeMoSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
 
     @property
     def topology(self) -> Any:

@@ -27,7 +27,7 @@ then logs ``ft/participants``, ``ft/committed`` and ``ft/step``. LR schedulers' 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,7 +36,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.core.settings import reject_renamed
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
@@ -47,37 +46,25 @@ from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 __all__ = ["FlexDeMoStrategy"]
 
 
-class FlexDeMoStrategy(TrainerStrategyBase):
+class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     """FlexDeMo for the Trainer: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     Works on any LightningModule (HF model built in ``__init__`` or ``configure_model``) with one optimizer:
     ``AdamW``/``Adam`` become ``DecoupledAdamW`` and ``SGD`` becomes ``DeMoSGD`` with the same param groups, and
     a ``DeMoSGD``/``DecoupledAdamW`` is used as given. Other optimizers raise before training.
 
-    Args:
-        settings: The strategy's settings (see :class:`~lightning_hetero.flexdemo.settings.FlexDeMoSettings`);
-            default: all defaults.
-        **kwargs: Lightning's arguments (``accelerator``, ``precision_plugin``, ``process_group_backend``,
-            ``timeout``, ``start_method``, ...); see :class:`~lightning_hetero.strategies.TrainerStrategyBase`.
-
-    Raises:
-        RenamedSettingError: A 0.1 keyword (``replicator``, ``compression``, ``shard_size``, ...) was given; the
-            message names its place in the settings.
+    Usage: ``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2))``; in YAML,
+    ``strategy: {class_path: FlexDeMoStrategy, init_args: {settings: {shard_size: 2}}}``.
     """
 
-    settings_class: ClassVar[type] = FlexDeMoSettings
+    settings_class = FlexDeMoSettings
+    runtime_class = FlexDeMoRuntime
 
-    # The default is an instance, not None: jsonargparse then lists every settings field, with its doc, under the
-    # strategy's --help (an Optional dataclass shows as one opaque option). Frozen, so sharing it is safe.
     def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
-        reject_renamed(type(self).__name__, kwargs, FlexDeMoSettings.RENAMED)
-        super().__init__(FlexDeMoRuntime(settings, owner="FlexDeMoStrategy"), **kwargs)
+        """Takes a :class:`FlexDeMoSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
+        super().__init__(settings, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ public
-    @property
-    def settings(self) -> FlexDeMoSettings:
-        """The strategy's settings (read-only)."""
-        return self.runtime.settings
 
     @property
     def topology(self) -> Any:
