@@ -1,8 +1,9 @@
 """Fabric strategies of lightning-hetero (the Trainer strategies live at the package top level).
 
-``Fabric(strategy=MatFormerStrategy(tiers=[0, 1]))`` or ``Fabric(strategy="matformer")``; likewise
-``FlexDeMoStrategy`` (``"flexdemo"``) and ``SubspacePipelineStrategy`` (``"subspace_pipeline"``). The typed settings
-are here too (``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2))``). Each class loads on first access.
+``Fabric(strategy=MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1])))`` or
+``Fabric(strategy="matformer")``; likewise ``FlexDeMoStrategy`` (``"flexdemo"``) and ``SubspacePipelineStrategy``
+(``"subspace_pipeline"``). The typed settings are here too (``FlexDeMoStrategy(settings=FlexDeMoSettings(
+shard_size=2))``). Each class loads on first access.
 """
 
 from __future__ import annotations
