@@ -115,6 +115,7 @@ class OwnReplicatorCausalLM(CausalLMModule):
 
     replicator_factory: Callable[[], Any] | None = None
     use_sgd: bool = False
+    adamw_exchange: str = "direction"
 
     @override
     def configure_optimizers(self) -> Any:
@@ -129,7 +130,9 @@ class OwnReplicatorCausalLM(CausalLMModule):
         if self.replicator_factory is None:
             return config
         original = config["optimizer"]
-        config["optimizer"], _ = convert_optimizer(original, self.replicator_factory)
+        config["optimizer"], _ = convert_optimizer(
+            original, self.replicator_factory, adamw_exchange=self.adamw_exchange
+        )
         repoint_scheduler(config["lr_scheduler"]["scheduler"], original, config["optimizer"])
         return config
 
@@ -163,6 +166,12 @@ def main() -> None:
     parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
     parser.add_argument(
         "--optimizer", choices=["adamw", "sgd"], default="adamw", help="flexdemo: the module's optimizer (sgd: DeMoSGD)"
+    )
+    parser.add_argument(
+        "--adamw-exchange",
+        choices=["direction", "gradient"],
+        default="direction",
+        help="flexdemo: what a converted AdamW sends (FlexDeMoSettings.adamw_exchange)",
     )
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--lr-warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
@@ -204,12 +213,16 @@ def main() -> None:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             outer_compression=args.outer_compression,
+            adamw_exchange=args.adamw_exchange,
         )
         module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
         module.use_sgd = args.optimizer == "sgd"  # then its SGD becomes DeMoSGD (DeMo's optimizer)
         if not variant.error_feedback:
             module.replicator_factory = lambda: build_variant_replicator(variant)
-        strategy = FlexDeMoStrategy(settings=FlexDeMoSettings(replication=variant.replication_settings()))
+        module.adamw_exchange = args.adamw_exchange
+        strategy = FlexDeMoStrategy(
+            settings=FlexDeMoSettings(replication=variant.replication_settings(), adamw_exchange=args.adamw_exchange)
+        )
     else:
         module = HSDPCausalLM(**options)
         strategy = HSDPStrategy(data_parallel_size=num_nodes, tensor_parallel_size=ranks_per_node)

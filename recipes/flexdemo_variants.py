@@ -12,6 +12,9 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
               | "sgd"         the module's optimizer is SGD, so FlexDeMo runs DeMoSGD (the DeMo paper's optimizer:
                               momentum 0.999 of the raw gradients, DCT top-k of it sent, sign update) instead of
                               DecoupledAdamW
+              | "xgrad"       the converted DecoupledAdamW exchanges the raw gradient (error feedback on it) and runs
+                              Adam on the combined gradient (``FlexDeMoSettings.adamw_exchange="gradient"``) instead
+                              of exchanging local Adam's direction
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
@@ -39,7 +42,7 @@ VALUES = ("fp32", "bf16", "sign", "ternary")
 CHUNKED = ("demo", "topk")
 WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
 GRAMMAR_HELP = (
-    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd][-h<H>][-olr<x>][-om<x>]"
+    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd|-xgrad][-h<H>][-olr<x>][-om<x>]"
     "[-demo1/N][@<lr>]"
     f" with replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk (and diloco with demo1/N),"
     f" noef: {'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om/demo1/N: diloco only (e.g. demo-1/32-sign-c128@3e-4,"
@@ -65,6 +68,7 @@ class Variant:
     chunk: int | None = None
     error_feedback: bool = True
     optimizer: str = "adamw"
+    adamw_exchange: str = "direction"
     sync_every: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -132,6 +136,8 @@ class Variant:
                 args.append("--no-error-feedback")
             if self.optimizer != "adamw":
                 args += ["--optimizer", self.optimizer]
+            if self.adamw_exchange != "direction":
+                args += ["--adamw-exchange", self.adamw_exchange]
         if self.learning_rate is not None:
             args += ["--learning-rate", str(self.learning_rate)]
         return args
@@ -179,6 +185,8 @@ def parse_variant(name: str) -> Variant:
             put("values", token, token)
         elif token == "sgd":
             put("optimizer", "sgd", token)
+        elif token == "xgrad":
+            put("adamw_exchange", "gradient", token)
         elif token == "noef":
             _only(name, token, replicator, WITH_ERROR_FEEDBACK, "error feedback off")
             put("error_feedback", False, token)
@@ -209,6 +217,8 @@ def parse_variant(name: str) -> Variant:
         raise ValueError(f"variant {name!r}: DiLoCo takes c<chunk> only with demo1/N (the DCT of its delta)")
     if replicator == "diloco" and "sync_every" in fields and "compression" in fields:
         raise ValueError(f"variant {name!r}: give DiLoCo's period once, as h<H> or as 1/N (which means H = N)")
+    if fields.get("optimizer") == "sgd" and "adamw_exchange" in fields:
+        raise ValueError(f"variant {name!r}: xgrad sets how AdamW is exchanged; drop it or sgd (DeMoSGD)")
     if replicator == "full" and "compression" in fields:
         raise ValueError(f"variant {name!r}: 'full' sends everything; drop the fraction (use values to compress)")
     fields.setdefault("compression", 1 / 32)

@@ -45,7 +45,11 @@ _TORCH_ONLY_KEYS = frozenset(
 
 
 def convert_optimizer(
-    optimizer: Optimizer, make_replicator: Callable[[], Any], owner: str = "FlexDeMoStrategy"
+    optimizer: Optimizer,
+    make_replicator: Callable[[], Any],
+    owner: str = "FlexDeMoStrategy",
+    *,
+    adamw_exchange: str = "direction",
 ) -> tuple[ReplicatingOptimizer, str]:
     """A replicating optimizer with the same param groups and hyperparameters as ``optimizer``.
 
@@ -53,6 +57,8 @@ def convert_optimizer(
         optimizer: The user's optimizer (no state yet).
         make_replicator: Builds the strategy's replicator for a converted optimizer.
         owner: Name used in messages.
+        adamw_exchange: ``exchange`` of a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"`` or
+            ``"gradient"``; see :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`).
 
     Returns:
         ``(optimizer, description)``; ``optimizer`` is the input itself when it already replicates.
@@ -88,6 +94,7 @@ def convert_optimizer(
             betas=tuple(first["betas"]),
             eps=first["eps"],
             weight_decay=first["weight_decay"],
+            exchange=adamw_exchange,
             replicator=make_replicator(),
         )
     else:

@@ -16,10 +16,15 @@ Semantics (``g`` the local gradient after the strategy's clipping, ``eta`` the l
       ``delta <- beta * delta + eta * gbar``, ``theta <- theta (1 - eta lambda) - eta * sign(delta)``: Signum on the
       mean gradient, the full-sync baseline (averaging is linear, so this equals averaging local momenta, but keeps
       ``delta`` identical on every replica).
-* :class:`DecoupledAdamW` (Adam moments are local and never sent)
-    - compressing replicators: local Adam on g, ``d = m_hat / (sqrt(v_hat) + eps)``, ``e <- e + d``,
-      ``u = R(e)`` with ``e <- e - sent`` (error feedback on the direction), ``theta <- theta (1 - eta lambda) - eta u``
-      (``sign=True``: ``sign(u)``);
+* :class:`DecoupledAdamW` (Adam moments are never sent)
+    - compressing replicators, ``exchange="direction"`` (default): local Adam on g,
+      ``d = m_hat / (sqrt(v_hat) + eps)``, ``e <- e + d``, ``u = R(e)`` with ``e <- e - sent`` (error feedback on the
+      direction), ``theta <- theta (1 - eta lambda) - eta u`` (``sign=True``: ``sign(u)``). The moments are local:
+      each node normalizes its own gradient before anything is combined;
+    - compressing replicators, ``exchange="gradient"``: ``e <- e + g``, ``u = R(e)`` with ``e <- e - sent`` (error
+      feedback on the raw gradient), then Adam on ``u`` exactly as in the full case below. ``u`` is identical on every
+      replica, so the moments are too (no drift); a replicator that keeps everything gives torch AdamW on the mean
+      gradient;
     - full: ``gbar = R(g)`` first, then exactly ``torch.optim.AdamW`` on ``gbar`` (same formula and order:
       decay, ``m.lerp_``, ``v``, bias corrections, ``denom = sqrt(v) / sqrt(bc2) + eps``): with fp32 values
       Full + DecoupledAdamW on ``n`` replicas equals torch AdamW on the replica-mean gradient, and the moments stay
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +44,8 @@ from lightning_hetero.flexdemo.replicating import ReplicatingOptimizer
 from lightning_hetero.replication import Replicator
 
 __all__ = ["DeMoSGD", "DecoupledAdamW"]
+
+_EXCHANGES = ("direction", "gradient")
 
 
 def _check(name: str, value: float, low: float, high: float | None = None, *, open_high: bool = True) -> None:
@@ -106,6 +113,9 @@ class DecoupledAdamW(ReplicatingOptimizer):
         eps: Adam's epsilon.
         weight_decay: Decoupled weight decay (as ``torch.optim.AdamW``; default 0.01 like torch, set explicitly).
         sign: Apply ``sign`` to the combined direction (default off).
+        exchange: What a compressing replicator sends: ``"direction"`` (local Adam's update direction, error feedback
+            on it) or ``"gradient"`` (the raw gradient with error feedback; Adam runs on the combined gradient, its
+            moments identical on every replica). Full and DiLoCo replication ignore it.
         replicator: Replicator or name; default ``"full"`` (== torch AdamW on the replica-mean gradient).
         compression: Fraction kept, for a replicator built by name.
         **replicator_options: Options for a replicator built by name.
@@ -121,16 +131,26 @@ class DecoupledAdamW(ReplicatingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         sign: bool = False,
+        exchange: Literal["direction", "gradient"] = "direction",
         replicator: Replicator | str | None = None,
         compression: float = 1 / 32,
         **replicator_options: Any,
     ) -> None:
         _check("lr", lr, 0.0)
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"exchange must be one of {list(_EXCHANGES)}, got {exchange!r}.")
         _check("betas[0]", betas[0], 0.0, 1.0)
         _check("betas[1]", betas[1], 0.0, 1.0)
         _check("eps", eps, 0.0)
         _check("weight_decay", weight_decay, 0.0)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "sign": bool(sign)}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "sign": bool(sign),
+            "exchange": exchange,
+        }
         super().__init__(
             params, defaults, replicator=replicator, compression=compression, replicator_options=replicator_options
         )
@@ -151,13 +171,38 @@ class DecoupledAdamW(ReplicatingOptimizer):
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         return exp_avg.div(denom).div_(bias_correction1)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a checkpoint taken with the same ``exchange`` (the error buffers of the two modes differ).
+
+        Raises:
+            ValueError: The checkpoint's ``exchange`` differs from this optimizer's (checkpoints without the key were
+                taken in ``"direction"`` mode).
+        """
+        if state_dict.get("state"):
+            for index, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups, strict=False)):
+                saved_exchange = saved.get("exchange", "direction")
+                if saved_exchange != group["exchange"]:
+                    raise ValueError(
+                        f"DecoupledAdamW: the checkpoint was trained with exchange={saved_exchange!r} (param group "
+                        f"{index}) but this optimizer uses exchange={group['exchange']!r}; its error-feedback buffers "
+                        f"mean different things. Resume with exchange={saved_exchange!r} (FlexDeMoSettings."
+                        f"adamw_exchange) or start the run afresh."
+                    )
+        super().load_state_dict(state_dict)
+
+    def _adam_after_exchange(self, group: dict[str, Any]) -> bool:
+        """Whether Adam runs on the combined gradient (its moments then identical on every replica)."""
+        return self.replicator.exchanges_gradient or group["exchange"] == "gradient"
+
     def _source(self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         if self.replicator.exchanges_gradient:
             return grad
+        if self._adam_after_exchange(group):
+            return self._buffer(state, "error", grad).add_(grad)
         direction = self._adam_direction(state, grad, group)
         return self._buffer(state, "error", grad).add_(direction)
 
     def _apply(self, state: dict[str, Any], param: torch.Tensor, combined: torch.Tensor, group: dict[str, Any]) -> None:
-        if self.replicator.exchanges_gradient:
+        if self._adam_after_exchange(group):
             combined = self._adam_direction(state, combined, group)
         self._descend(param, combined, group)

@@ -220,7 +220,9 @@ class FlexDeMoRuntime(StrategyRuntime):
             raise RuntimeError(f"{self.owner}: set up the module before the optimizer.")
         if self.optimizer is not None:
             raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
-        converted, self.conversion = convert_optimizer(optimizer, self.make_replicator, self.owner)
+        converted, self.conversion = convert_optimizer(
+            optimizer, self.make_replicator, self.owner, adamw_exchange=self.settings.adamw_exchange
+        )
         converted.replicator.set_bad_payload_policy(self.settings.on_bad_payload)  # also a user-built replicator
         self.overlap_active = self.settings.overlap if overlap is None else bool(overlap)
         if self.settings.fault_tolerance is not None:

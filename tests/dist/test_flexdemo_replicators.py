@@ -6,7 +6,8 @@ per-rank results and each test asserts one family of them:
 - replicas bit-identical after 20 steps for every replicator with both optimizers (different data per rank);
 - exact ledger payload (label "inter") against ``Replicator.payload_bytes`` for every replicator and value encoding;
 - DeMo against an independent numpy/scipy re-implementation simulating all replicas in-process;
-- Full + DecoupledAdamW against ``torch.optim.AdamW`` on the mean gradient (1e-6 after 10 steps);
+- Full + DecoupledAdamW against ``torch.optim.AdamW`` on the mean gradient (1e-6 after 10 steps), and the same for
+  DecoupledAdamW(exchange="gradient") with a top-k replicator that keeps every value;
 - DiLoCo against a hand-written simulation of n local AdamW replicas plus outer Nesterov, bytes only every H steps
   (DeMo + DiLoCo keeping every DCT coefficient against the same simulation);
 - state_dict round trip through ``torch.save``: bit-identical continuation;
@@ -15,6 +16,7 @@ per-rank results and each test asserts one family of them:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 from typing import Any
@@ -51,7 +53,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     },
 }
 COMPRESSION = 0.25
-OPTIMIZERS = {"sgd": DeMoSGD, "adamw": DecoupledAdamW}
+OPTIMIZERS = {
+    "sgd": DeMoSGD,
+    "adamw": DecoupledAdamW,
+    "adamw-gradient": functools.partial(DecoupledAdamW, exchange="gradient"),  # Adam after the exchange
+}
 
 
 # ----------------------------------------------------------------------------------------------- model + data
@@ -96,7 +102,8 @@ def _make(kind: str, name: str, params: list[torch.nn.Parameter], **extra: Any) 
     if kind == "sgd":
         kwargs["weight_decay"] = 0.05
     replicator = name.partition("-")[0]  # "diloco-demo" is the diloco replicator with outer_compression
-    optimizer = OPTIMIZERS[kind](params, replicator=replicator, compression=COMPRESSION, **kwargs, **options)
+    options.setdefault("compression", COMPRESSION)
+    optimizer = OPTIMIZERS[kind](params, replicator=replicator, **kwargs, **options)
     optimizer.bind(dist.group.WORLD)
     return optimizer
 
@@ -264,6 +271,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     optimizer.bind(dist.group.WORLD)
     _train(optimizer, params, rank, range(10))
     out["adamw-full"] = _max_diff(params, _reference_adamw_mean(world_size, 10))
+    params = _init_params()  # exchange="gradient" keeping every value: the same torch AdamW on the mean gradient
+    optimizer = _make("adamw-gradient", "topk", params, compression=1.0)
+    _train(optimizer, params, rank, range(10))
+    out["adamw-gradient-keep-all"] = _max_diff(params, _reference_adamw_mean(world_size, 10))
 
     params = _init_params()  # DiLoCo against the hand-written outer Nesterov
     optimizer = _make("adamw", "diloco", params)
@@ -364,6 +375,12 @@ def test_demo_matches_independent_reimplementation(results: tuple[int, list[dict
 def test_full_decoupled_adamw_equals_torch_adamw_on_mean_gradient(results: tuple[int, list[dict[str, Any]]]) -> None:
     _, per_rank = results
     assert all(r["adamw-full"] < 1e-6 for r in per_rank), [r["adamw-full"] for r in per_rank]
+
+
+def test_gradient_exchange_keeping_everything_equals_torch_adamw(results: tuple[int, list[dict[str, Any]]]) -> None:
+    _, per_rank = results
+    diffs = [r["adamw-gradient-keep-all"] for r in per_rank]
+    assert all(diff < 1e-6 for diff in diffs), diffs
 
 
 def test_diloco_matches_outer_nesterov_reference(results: tuple[int, list[dict[str, Any]]]) -> None:

@@ -69,6 +69,80 @@ def test_full_decoupled_adamw_equals_torch_adamw_single_process(device: torch.de
     assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
 
 
+def _adam_reference_step(
+    param: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Tensor], step: int, lr: float, wd: float
+) -> torch.Tensor:
+    """torch.optim.AdamW's formula (betas 0.9/0.999, eps 1e-8) written out, on ``grad``."""
+    moments["m"] = 0.9 * moments["m"] + 0.1 * grad
+    moments["v"] = 0.999 * moments["v"] + 0.001 * grad * grad
+    direction = (moments["m"] / (1 - 0.9**step)) / ((moments["v"] / (1 - 0.999**step)).sqrt() + 1e-8)
+    return param * (1 - lr * wd) - lr * direction
+
+
+def test_gradient_exchange_single_replica_matches_hand_computation(device: torch.device) -> None:
+    """exchange="gradient": e += g; u = IDCT(topk(DCT(e))); e -= u; then AdamW on u (moments from u, not from g)."""
+    p = _param(8, 8, device=device)
+    optimizer = DecoupledAdamW(
+        [p], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="demo", compression=1 / 16, chunk=4
+    )
+    dct = ChunkedDCT(4)
+    error = torch.zeros(8, 8, device=device)
+    moments = {"m": torch.zeros(8, 8, device=device), "v": torch.zeros(8, 8, device=device)}
+    expected = p.detach().clone()
+    for step in range(1, 4):
+        grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(20 + step)).to(device)
+        p.grad = grad.clone()
+        optimizer.step()
+        error = error + grad
+        coefficients = dct.encode(error)
+        top = coefficients.abs().argmax(dim=1, keepdim=True)  # k = 1 of 16
+        update = dct.decode(torch.zeros_like(coefficients).scatter_(1, top, coefficients.gather(1, top)), (8, 8))
+        error = error - update
+        expected = _adam_reference_step(expected, update, moments, step, lr=0.01, wd=0.1)
+    assert torch.allclose(p.detach(), expected, atol=1e-6)
+    assert torch.allclose(optimizer.state[p]["error"], error, atol=1e-6)
+    assert torch.allclose(optimizer.state[p]["exp_avg"], moments["m"], atol=1e-6)  # moments of u, not of g
+
+
+def test_gradient_exchange_keeping_everything_equals_torch_adamw(device: torch.device) -> None:
+    ours, theirs = _param(6, 4, device=device), _param(6, 4, device=device)
+    optimizer = DecoupledAdamW(
+        [ours], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="topk", compression=1.0
+    )
+    reference = torch.optim.AdamW([theirs], lr=0.01, weight_decay=0.1)
+    for step in range(8):
+        grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step)).to(device)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        reference.step()
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+    assert optimizer.state[ours]["error"].abs().max() == 0  # everything was sent
+
+
+def test_exchange_mode_must_match_on_resume() -> None:
+    p = _param(4, 4)
+    trained = DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient")
+    p.grad = torch.ones(4, 4)
+    trained.step()
+    state = copy.deepcopy(trained.state_dict())
+    with pytest.raises(ValueError, match=r"exchange='gradient'.*adamw_exchange"):
+        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
+    same = DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient")
+    same.load_state_dict(state)
+    assert torch.equal(same.state[p]["error"], trained.state[p]["error"])
+    # A checkpoint from before the setting existed was taken in direction mode.
+    for group in state["param_groups"]:
+        del group["exchange"]
+    with pytest.raises(ValueError, match="exchange='direction'"):
+        DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient").load_state_dict(state)
+    DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
+
+
+def test_exchange_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        DecoupledAdamW([_param(3)], exchange="moments")  # type: ignore[arg-type]
+
+
 def test_defaults() -> None:
     p = _param(3)
     assert DeMoSGD([p]).replicator.name == "demo" and DeMoSGD([p]).defaults["sign"] is True

@@ -31,6 +31,7 @@ ADAPTERS = [FlexDeMoStrategy, FabricFlexDeMoStrategy]
         ({"block_classes": []}, "block_classes"),
         ({"on_bad_payload": "ignore"}, "on_bad_payload"),
         ({"log_comm_stats": None}, "log_comm_stats"),
+        ({"adamw_exchange": "moments"}, "adamw_exchange"),
     ],
 )
 def test_invalid_field_is_named(kwargs: dict, field: str) -> None:
@@ -43,6 +44,7 @@ def test_defaults_are_the_old_defaults() -> None:
     assert (settings.shard_size, settings.drift_check_every, settings.block_classes) == (None, 0, None)
     assert settings.overlap and not settings.activation_checkpointing and settings.log_comm_stats
     assert settings.on_bad_payload == "raise" and settings.replication == ReplicationSettings()
+    assert settings.adamw_exchange == "direction"
     for cls in ADAPTERS:  # no replicator chosen: demo at 1/32 on two or more copies (full on one, at setup)
         runtime = cls().runtime
         assert runtime.settings == settings and not runtime.replicator_chosen and runtime.compresses

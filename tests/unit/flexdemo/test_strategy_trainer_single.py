@@ -148,8 +148,8 @@ def test_bare_flexdemo_on_one_node_does_not_compress(tmp_path, caplog):
 
 @pytest.mark.timeout(300)
 def test_explicit_replicator_on_one_node_is_kept_with_the_warning(tmp_path):
-    trainer, losses, messages = _fit_user_llama(
-        FlexDeMoStrategy(settings=FlexDeMoSettings(replication=ReplicationSettings(kind="demo"))), tmp_path
-    )
+    settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo"), adamw_exchange="gradient")
+    trainer, losses, messages = _fit_user_llama(FlexDeMoStrategy(settings=settings), tmp_path)
     assert trainer.optimizers[0].replicator.name == "demo"
+    assert {group["exchange"] for group in trainer.optimizers[0].param_groups} == {"gradient"}  # the setting reached it
     assert any("single model copy" in message for message in messages), messages
