@@ -103,6 +103,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         """Fault-tolerant mode: this step's quorum was joined and its optimizer step has not run yet."""
         self.last_commit: bool | None = None
         """Fault-tolerant mode: whether the last optimizer step was committed (None before the first)."""
+        self.last_retries = 0
+        """Fault-tolerant mode: discarded tries before the last optimizer step committed (``retry=True`` only)."""
 
     # ------------------------------------------------------------------------------------------------ config
     @property
@@ -278,31 +280,50 @@ class FlexDeMoRuntime(StrategyRuntime):
             self.replica.start_step()
             self.replica_step_open = True
 
-    def committed_step(self, step: Callable[[], Any]) -> Any:
+    @property
+    def committed_steps(self) -> int:
+        """Fault-tolerant mode: steps the quorum committed (torchft's step; equal on every replica group that took
+        part in the last step, a healed joiner included); 0 otherwise."""
+        return 0 if self.replica is None else int(self.replica.current_step())
+
+    def committed_step(self, step: Callable[[], Any], *, retry: bool = False) -> Any:
         """Run ``step`` (the optimizer step, closure included); in the fault-tolerant mode keep it only if the quorum
-        commits it (weights and optimizer state are restored otherwise). Returns what ``step`` returned."""
+        commits it (weights, gradients and optimizer state are restored otherwise). Returns what ``step`` returned.
+
+        Args:
+            step: Runs the optimizer step; with ``retry`` it must be repeatable (e.g. Lightning's closure, which runs
+                forward and backward again on the same batch).
+            retry: Run ``step`` again in a new quorum until it commits (a joiner or a lagging replica is healed in
+                that quorum, before the step runs again), so one call is one committed step. torchft's
+                ``max_retries`` (``FaultToleranceSettings.max_retries``) bounds the tries: past it, ``RuntimeError``.
+        """
         if self.replica is None:
             return step()
-        self.start_replica_step()
         output: list[Any] = [None]
 
         def run() -> None:
             output[0] = step()
 
-        try:
-            self.last_commit = self.replica.step_optimizer(run)
-        finally:
-            self.replica_step_open = False
-        return output[0]
+        self.last_retries = 0
+        while True:
+            self.start_replica_step()
+            try:
+                self.last_commit = self.replica.step_optimizer(run)
+            finally:
+                self.replica_step_open = False
+            if self.last_commit or not retry:
+                return output[0]
+            self.last_retries += 1
 
     def replica_metrics(self) -> dict[str, float]:
-        """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0) and
-        ``ft/step`` (committed steps: equal on every replica group, unlike the Trainer's ``global_step``)."""
+        """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0),
+        ``ft/retries`` (discarded tries before it) and ``ft/step`` (committed steps, equal on every replica group)."""
         if self.replica is None or self.last_commit is None:
             return {}
         return {
             "ft/participants": float(self.replica.num_participants()),
             "ft/committed": float(self.last_commit),
+            "ft/retries": float(self.last_retries),
             "ft/step": float(self.replica.current_step()),
         }
 
@@ -345,7 +366,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         return syncs_at is None or bool(syncs_at(replicator.step - 1))
 
     def comm_metrics(self) -> dict[str, float]:
-        """``comm/*`` metrics of the last step: inter-node bytes sent, launched-early count, wait/comm seconds, the
+        """``comm/*`` metrics of the last step: inter-node bytes sent (in the fault-tolerant mode what this replica
+        handed to torchft's Manager, retried tries included), launched-early count, wait/comm seconds, the
         replicator's encode/decode seconds (its compute: DCT, top-k, packing), and ``comm/hidden_fraction`` =
         1 - wait / comm (the share of the exchange's duration overlapped with work)."""
         metrics = {"comm/inter_bytes_sent": float(comm.get_ledger().totals(comm.INTER).sent - self._inter_sent_before)}

@@ -22,6 +22,11 @@ Replicators (:mod:`lightning_hetero.replication`) exchange through the Manager o
 wire: one all-reduce sum; ``"gather"`` wire: every participant writes its bytes into its own slot of a zeroed buffer
 and the buffer is all-reduced, which is an all-gather on a group that only offers all-reduce), with the replicator's
 ``num_replicas`` set to this step's participant count so its average is over the replicas present.
+
+Every tensor handed to the Manager is counted in :mod:`lightning_hetero.comm`'s byte ledger (label ``"inter"``, op
+``"all_reduce"`` over the participants, the documented ring rule), so ``comm/inter_bytes_sent`` reports what this
+replica put on the wire: for a gather wire that is the all-reduce of the whole slot buffer, ``2 (n - 1) S`` for a
+payload of ``S`` bytes (twice an all-gather's ``(n - 1) S``: the price of the slot trick).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any
 
 import torch
 
+from lightning_hetero import comm
 from lightning_hetero.ft._deps import require_torchft
 from lightning_hetero.ft.codec import StateLayout
 from lightning_hetero.ft.settings import FaultToleranceSettings
@@ -138,6 +144,7 @@ class FaultTolerantReplica:
             replica_id=settings.resolve_replica_id(),
             hostname=host,
             checkpoint_transport=self.transport,
+            max_retries=settings.max_retries,
         )
         self.participants_log: list[tuple[int, int]] = []
         """(step, participants) of every committed step, for logs and the fault recipe."""
@@ -197,14 +204,28 @@ class FaultTolerantReplica:
         return self.manager.num_participants()
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` in place over the participants (``"mean"`` or ``"sum"``); errors only fail the commit."""
+        """Reduce ``tensor`` in place over the participants (``"mean"`` or ``"sum"``); errors only fail the commit.
+
+        The bytes go into the process's byte ledger (label ``"inter"``) unless the step already failed, in which case
+        the Manager sends nothing.
+        """
         from torch.distributed import ReduceOp
 
         if op not in ("mean", "sum"):
             raise ValueError(f"op={op!r}: use 'mean' or 'sum'.")
+        if self.manager.errored() is None:
+            self._count_allreduce(tensor)
         work = self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG if op == "mean" else ReduceOp.SUM)
         work.wait()
         return tensor
+
+    def _count_allreduce(self, tensor: torch.Tensor) -> None:
+        """Record one all-reduce of ``tensor`` over this step's participants (the Manager's group, synchronous
+        quorum: every replica in it participates) by the ledger's counting rule."""
+        payload = tensor.numel() * tensor.element_size()
+        group = max(self.num_participants(), 1)
+        sent, received = comm.wire_bytes("all_reduce", payload, group)
+        comm.get_ledger().record("all_reduce", comm.INTER, payload, sent, received, group)
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Replace every gradient by its mean over the participants (one flat all-reduce; missing grads count 0)."""
@@ -286,33 +307,38 @@ class FaultTolerantReplica:
         """Step :attr:`optimizer` and keep the step only if this replica may commit it; return whether it did.
 
         For optimizers whose exchange happens inside ``step()`` (FlexDeMo's replicating optimizers, with
-        :meth:`manage`): the weights and the whole optimizer state (momenta, error feedback, replicator step) are
-        copied first and restored when :meth:`should_commit` says no, or when the step raises (a refused peer
-        payload). Costs one copy of the weights and the optimizer state per step; optimizers that exchange
-        gradients before ``step()`` should call :meth:`should_commit` first instead and skip the copy.
+        :meth:`manage`): the weights, the gradients and the whole optimizer state (momenta, error feedback,
+        replicator step) are copied first and restored when :meth:`should_commit` says no, or when the step raises
+        (a refused peer payload), so the step can be tried again from the same point (gradients accumulated over
+        earlier micro-batches included). Costs one copy of the weights, gradients and optimizer state per step;
+        optimizers that exchange gradients before ``step()`` should call :meth:`should_commit` first instead and
+        skip the copy.
 
         Args:
             step: What runs the step (default ``optimizer.step()``): e.g. a Lightning optimizer step whose closure
                 runs forward and backward. The copy is taken before it, so an exchange launched during that backward
                 (error feedback updated in place) is undone too.
         """
-        weights = [p.detach().clone() for group in self.optimizer.param_groups for p in group["params"]]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        weights = [p.detach().clone() for p in params]
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         state = copy.deepcopy(self.optimizer.state_dict())
         try:
             (step or self.optimizer.step)()
             committed = self.should_commit()
         except BaseException:
-            self._restore(weights, state)
+            self._restore(weights, grads, state)
             raise
         if not committed:
-            self._restore(weights, state)
+            self._restore(weights, grads, state)
         return committed
 
-    def _restore(self, weights: list[torch.Tensor], state: dict[str, Any]) -> None:
+    def _restore(self, weights: list[torch.Tensor], grads: list[torch.Tensor | None], state: dict[str, Any]) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():
-            for param, saved in zip(params, weights, strict=True):
+            for param, saved, grad in zip(params, weights, grads, strict=True):
                 param.copy_(saved)
+                param.grad = grad
         self.optimizer.load_state_dict(state)
 
     def should_commit(self) -> bool:

@@ -39,6 +39,8 @@ class FaultToleranceSettings:
         replica_id_env: The environment variable holding the id when ``replica_id_source="env"``.
         max_recovery_bytes: Upper bound of a recovery checkpoint a joining replica accepts, on top of what its own
             state layout allows (0: only the layout bound).
+        max_retries: Consecutive uncommitted steps allowed before the step raises ``RuntimeError`` (torchft's
+            ``Manager(max_retries=...)``); None: no limit, training waits for enough replicas.
     """
 
     OWNER: ClassVar[str] = "FaultToleranceSettings"
@@ -52,6 +54,7 @@ class FaultToleranceSettings:
     replica_id: str = ""
     replica_id_env: str = "REPLICA_GROUP_ID"
     max_recovery_bytes: int = 0
+    max_retries: int | None = None
 
     def __post_init__(self) -> None:
         owner = self.OWNER
@@ -74,6 +77,7 @@ class FaultToleranceSettings:
         if not isinstance(self.replica_id_env, str) or not self.replica_id_env:
             raise ValueError(f"{owner}.replica_id_env={self.replica_id_env!r}: name an environment variable.")
         check_int(owner, "max_recovery_bytes", self.max_recovery_bytes, minimum=0)
+        check_int(owner, "max_retries", self.max_retries, minimum=0, allow_none=True, fix="or None for no limit")
 
     def lighthouse_address(self) -> str:
         """:attr:`lighthouse`, else ``TORCHFT_LIGHTHOUSE``; raises naming both when neither is set."""

@@ -19,13 +19,18 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 - Checkpoints are directories with one file per rank (:mod:`lightning_hetero.flexdemo.checkpoint`).
 
 The fault-tolerant mode (``settings.fault_tolerance``, ``docs/spot.md``): each launch is one replica group of one
-rank. ``on_train_batch_start`` joins the step's torchft quorum (a joining replica is healed there, before its
-forward); ``optimizer_step`` runs Lightning's step (closure included) and keeps it only if the quorum commits it,
-then logs ``ft/participants``, ``ft/committed`` and ``ft/step``. LR schedulers' state travels with a recovery.
+rank. ``on_train_start`` joins the first quorum and ``on_train_batch_start`` every later one (a joining replica is
+healed there, before its forward); ``optimizer_step`` runs Lightning's step (closure included) and keeps it only if
+the quorum commits it, else runs it again on the same batch in a new quorum, so ``global_step`` counts committed
+steps; then it logs ``ft/participants``, ``ft/committed``, ``ft/retries`` and ``ft/step``. LR schedulers' state and
+the Trainer's position (``global_step``, the loggers' step, epoch and batch) travel with a recovery: a joiner
+continues at the survivors' step and, with a :class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same
+(epoch, batch) position of its own data.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +41,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
@@ -44,6 +51,11 @@ from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSetting
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
+
+log = logging.getLogger(__name__)
+
+POSITION_KEYS: tuple[str, ...] = ("global_step", "batches_that_stepped", "epoch", "batches")
+"""The Trainer position a live peer hands a joining replica group (recovery state ``"trainer_position"``)."""
 
 
 class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
@@ -147,6 +159,10 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
                 lambda: [config.scheduler.state_dict() for config in configs],
                 lambda states: [c.scheduler.load_state_dict(s) for c, s in zip(configs, states, strict=True)],
             )
+            self._position = _TrainerPosition(trainer)
+            self.runtime.add_recovery_state(
+                "trainer_position", self._position.state_dict, self._position.load_state_dict
+            )
 
     def _clipping_configured(self, trainer: Any) -> bool:
         module = self.lightning_module
@@ -192,15 +208,31 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
             return self._redirect("predict_step", *args, **kwargs)
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        position = getattr(self, "_position", None)
+        if self.runtime.replica is not None and position is not None:
+            position.start()
+            # The first quorum before the first batch is drawn: a joiner healed here can still move its data position.
+            self.runtime.start_replica_step()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        position = getattr(self, "_position", None)
+        if self.runtime.replica is not None and position is not None:
+            position.first_batch()
         self.runtime.start_replica_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self.runtime.before_step()
         parent = super()
-        output = self.runtime.committed_step(lambda: parent.optimizer_step(optimizer, closure, model, **kwargs))
+        # Fault-tolerant mode: a discarded try runs again (closure: forward and backward on the same batch) in a new
+        # quorum, so every node's global_step, LR schedulers and data position count committed steps only.
+        output = self.runtime.committed_step(
+            lambda: parent.optimizer_step(optimizer, closure, model, **kwargs), retry=True
+        )
         metrics = self.runtime.after_step()  # always: it re-arms the hooks and runs the drift guard
         if not self.settings.log_comm_stats:
             metrics = {}
@@ -221,6 +253,114 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         load_local_module_state(self.lightning_module, checkpoint["state_dict"], strict, self.runtime.owner)
+
+
+class _TrainerPosition:
+    """The Trainer's place in training as plain numbers, sent by a live peer and adopted by a joining replica group.
+
+    ``global_step`` (committed steps), ``batches_that_stepped`` (the loggers' step), ``epoch`` and ``batches`` (batches
+    of that epoch done). A peer sends it from its quorum, where the batch in flight is not done yet. The joiner takes
+    the steps always; the epoch and the batch only when healed before its first batch (the first quorum runs in
+    ``on_train_start``) and its train loader is a :class:`StatefulDataLoader`: the loader then skips that many of its
+    *own* batches (no sample of the peer's is copied) and the loop counts from there, as after a mid-epoch resume.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.iterating = False
+        self._pending_stepped: int | None = None
+        self._noted = False
+
+    def start(self) -> None:
+        """``on_train_start``: no batch drawn yet; say once if the data position cannot follow a peer."""
+        self.iterating = False
+        if not isinstance(self.trainer.train_dataloader, StatefulDataLoader) and not self._noted:
+            self._noted = True
+            log.warning(
+                "FlexDeMoStrategy (fault-tolerant mode): the train dataloader is a %s, not a single "
+                "lightning_hetero.data.stateful.StatefulDataLoader, so its data position is per node and cannot "
+                "follow the survivors when this node rejoins (global_step does). Use a StatefulDataLoader to continue "
+                "at the survivors' epoch and batch on this node's own data.",
+                type(self.trainer.train_dataloader).__name__,
+            )
+
+    def first_batch(self) -> None:
+        """``on_train_batch_start``: finish an adoption made before the loop reset its counters."""
+        if not self.iterating:
+            self.iterating = True
+            if self._pending_stepped is not None:
+                self.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_stepped
+                self._pending_stepped = None
+
+    def state_dict(self) -> dict[str, int]:
+        loop = self.trainer.fit_loop.epoch_loop
+        return {
+            "global_step": int(self.trainer.global_step),
+            "batches_that_stepped": int(loop._batches_that_stepped),
+            "epoch": int(self.trainer.current_epoch),
+            "batches": int(loop.batch_progress.current.completed),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Adopt a peer's position (validated: counts >= 0).
+
+        Raises:
+            PeerPayloadError: A field is missing or not a count >= 0 (naming ``extra.trainer_position.<field>``).
+        """
+        position = _checked_position(state)
+        trainer = self.trainer
+        loop = trainer.fit_loop.epoch_loop
+        module = trainer.lightning_module
+        automatic = module is None or module.automatic_optimization
+        steps = loop.automatic_optimization.optim_progress.optimizer.step if automatic else None
+        steps = steps if steps is not None else loop.manual_optimization.optim_step_progress
+        # global_step reads the total of completed optimizer steps; a step in flight (ready, not completed) stays so.
+        steps.total.increment_by(position["global_step"] - trainer.global_step)
+        loader = trainer.train_dataloader
+        if self.iterating:
+            loop._batches_that_stepped = position["batches_that_stepped"]
+            own = (trainer.current_epoch, loop.batch_progress.current.completed)
+            if own != (position["epoch"], position["batches"]):
+                log.warning(
+                    "FlexDeMoStrategy: healed from a peer mid-epoch; global_step follows it (%d), the data position "
+                    "stays this node's (epoch %d, batch %d; the peer's: epoch %d, batch %d).",
+                    position["global_step"],
+                    *own,
+                    position["epoch"],
+                    position["batches"],
+                )
+            return
+        self._pending_stepped = position["batches_that_stepped"]  # the loop's reset would change it
+        if not isinstance(loader, StatefulDataLoader):
+            return
+        epochs = trainer.fit_loop.epoch_progress
+        epochs.increment_by(position["epoch"] - trainer.current_epoch)
+        loader.load_state_dict({"epoch": position["epoch"], "batches_yielded": position["batches"]})
+        batches = loop.batch_progress
+        batches.increment_by(position["batches"] - batches.current.completed)
+        if position["batches"]:
+            # Lightning's own mid-epoch resume: the epoch loop keeps these counters (and the fetcher's count) once.
+            loop.restarting = True
+
+
+def _checked_position(state: Mapping[str, Any]) -> dict[str, int]:
+    if not isinstance(state, Mapping):
+        raise PeerPayloadError(
+            f"recovery checkpoint: trainer_position is a {type(state).__name__}, not a dict; refusing it.",
+            None,
+            "extra.trainer_position",
+        )
+    position = {}
+    for key in POSITION_KEYS:
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PeerPayloadError(
+                f"recovery checkpoint: trainer_position.{key}={value!r} is not a count >= 0; refusing it.",
+                None,
+                f"extra.trainer_position.{key}",
+            )
+        position[key] = value
+    return position
 
 
 class _FullWeightsLauncher(_MultiProcessingLauncher):

@@ -83,45 +83,190 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin()), batch_size=16)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("min_replicas", [1, 2], ids=["commits", "too-few-replicas"])
-def test_a_trainer_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
+def _ft(lighthouse, min_replicas: int = 1, **extra) -> FaultToleranceSettings:
+    return FaultToleranceSettings(
+        lighthouse=lighthouse.address(),
+        min_replicas=min_replicas,
+        timeout_s=20,
+        replica_id_source="fixed",
+        replica_id="solo",
+        **extra,
+    )
+
+
+@pytest.fixture
+def lighthouse():
     pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
 
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    yield server
+    server.shutdown()
+
+
+def _trainer_strategy(ft: FaultToleranceSettings):
     from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
-    try:
-        ft = FaultToleranceSettings(
-            lighthouse=lighthouse.address(),
-            min_replicas=min_replicas,
-            timeout_s=20,
-            replica_id_source="fixed",
-            replica_id="solo",
-        )
-        settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo", chunk=4), fault_tolerance=ft)
-        strategy = FlexDeMoStrategy(settings=settings)
-        module = _Regression()
-        before = [p.detach().clone() for p in module.parameters()]
-        quiet_trainer(devices=1, strategy=strategy, max_steps=3).fit(module, _data())
-    finally:
-        lighthouse.shutdown()
+    settings = FlexDeMoSettings(replication=ReplicationSettings(kind="demo", chunk=4), fault_tolerance=ft)
+    return FlexDeMoStrategy(settings=settings)
+
+
+@pytest.mark.timeout(180)
+def test_a_committed_trainer_step_counts_in_global_step_and_travels_with_a_recovery(lighthouse):
+    strategy = _trainer_strategy(_ft(lighthouse))
+    module = _Regression()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=3)
+    trainer.fit(module, _data())
     assert strategy.runtime.replica is None, "teardown leaves the quorum"
     assert strategy.runtime.replicator_name == "demo", "one rank per launch is not one model copy: no 'full' fallback"
-    committed = min_replicas == 1
-    assert [m["ft/committed"] for m in module.logged] == [float(committed)] * 3
+    assert [m["ft/committed"] for m in module.logged] == [1.0] * 3
+    assert [m["ft/retries"] for m in module.logged] == [0.0] * 3
     assert [m["ft/participants"] for m in module.logged] == [1.0] * 3
-    assert [m["ft/step"] for m in module.logged] == ([1.0, 2.0, 3.0] if committed else [0.0] * 3)
-    unchanged = all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
-    assert unchanged is not committed  # an uncommitted step is undone: weights as before (and the replicator's step)
-    assert strategy.optimizers[0].replicator.step == (3 if committed else 0)
-    # A recovery carries the LR schedule (a joiner continues the survivors' schedule) through the codec.
+    assert [m["ft/step"] for m in module.logged] == [1.0, 2.0, 3.0]
+    assert trainer.global_step == 3, "global_step counts committed steps"
+    assert not all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
+    assert strategy.optimizers[0].replicator.step == 3
+    # A recovery carries the LR schedule (a joiner continues the survivors' schedule) and the Trainer's position.
     (scheduler,) = module.recovered["extra"]["lr_schedulers"]
     assert scheduler["last_epoch"] == 3 and scheduler["_last_lr"] == pytest.approx([0.05 * 0.5])
     assert strategy.lr_scheduler_configs[0].scheduler.last_epoch == 3
+    # Taken at batch 2's end: 3 steps committed, the third batch of epoch 0 done (a live peer sends it from its
+    # quorum, where the batch in flight is not done yet).
+    assert module.recovered["extra"]["trainer_position"] == {
+        "global_step": 3,
+        "batches_that_stepped": 2,
+        "epoch": 0,
+        "batches": 2,
+    }
     # Checkpoints carry torchft's committed step (the runtime's extra state).
-    assert module.checkpoint_extra == {"torchft": {"step": 3 if committed else 0, "batches_committed": 3 * committed}}
+    assert module.checkpoint_extra == {"torchft": {"step": 3, "batches_committed": 3}}
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_step_the_quorum_never_commits_is_retried_until_max_retries_then_raises(lighthouse):
+    strategy = _trainer_strategy(_ft(lighthouse, min_replicas=2, max_retries=2))
+    module = _Regression()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=3)
+    with pytest.raises(RuntimeError, match=r"should_commit failed 3 times consecutively, exceeding max_retries=2"):
+        trainer.fit(module, _data())
+    # Three tries of the first batch, none committed: weights, optimizer state and every counter as before.
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))
+    assert strategy.optimizers[0].replicator.step == 0
+    assert trainer.global_step == 0
+    assert strategy.lr_scheduler_configs[0].scheduler.last_epoch == 0
+
+
+class _Indexed(_Regression):
+    """Trains on (inputs, target, sample index) batches and records which data batch each step saw."""
+
+    def __init__(self, fail_first_try_of: int | None = None) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int, list[int]]] = []
+        self.fail_first_try_of = fail_first_try_of
+
+    def training_step(self, batch, batch_idx):
+        inputs, target, index = batch
+        self.seen.append((self.current_epoch, batch_idx, index.tolist()))
+        if batch_idx == self.fail_first_try_of and [b for _, b, _ in self.seen].count(batch_idx) == 1:
+            # A peer failing mid-step looks like this to the Manager: the step may not commit.
+            self.trainer.strategy.runtime.replica.manager.report_error(RuntimeError("injected failure"))
+        return torch.nn.functional.mse_loss(self.net(inputs), target)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        metrics = self.trainer.callback_metrics
+        self.logged.append({k: float(v) for k, v in metrics.items() if k.startswith("ft/")})
+
+
+def _indexed(stateful: bool = True) -> DataLoader:
+    """24 samples in batches of 4; stateful: shuffled per epoch (``randperm(24)`` seeded by ``epoch``)."""
+    from lightning_hetero.data.stateful import StatefulDataLoader
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(24, 4, generator=generator)
+    dataset = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin(), torch.arange(24))
+    return StatefulDataLoader(dataset, batch_size=4, shuffle=True) if stateful else DataLoader(dataset, batch_size=4)
+
+
+def _batch(epoch: int, index: int) -> list[int]:
+    """Samples of batch ``index`` of ``epoch`` in :func:`_indexed`'s stateful loader."""
+    return torch.randperm(24, generator=torch.Generator().manual_seed(epoch)).tolist()[4 * index : 4 * index + 4]
+
+
+@pytest.mark.timeout(180)
+def test_a_discarded_trainer_step_is_retried_with_the_same_batch_and_does_not_count(lighthouse):
+    strategy = _trainer_strategy(_ft(lighthouse))
+    module = _Indexed(fail_first_try_of=1)
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=3, use_distributed_sampler=False)
+    trainer.fit(module, _indexed())
+    expected = [_batch(0, 0), _batch(0, 1), _batch(0, 1), _batch(0, 2)]
+    assert [data for _, _, data in module.seen] == expected, "batch 1 ran twice: discarded, then committed"
+    assert [m["ft/retries"] for m in module.logged] == [0.0, 1.0, 0.0]
+    assert [m["ft/step"] for m in module.logged] == [1.0, 2.0, 3.0]
+    assert trainer.global_step == 3 and strategy.lr_scheduler_configs[0].scheduler.last_epoch == 3
+
+
+class _Heal(__import__("lightning").Callback):
+    """Loads a live peer's state at the first quorum, as torchft does for a joining replica (through the codec)."""
+
+    def __init__(self, position: dict[str, int]) -> None:
+        self.position = position
+
+    def on_train_start(self, trainer, module):
+        from lightning_hetero.ft.codec import decode_state, encode_state
+
+        replica = trainer.strategy.runtime.replica
+        peer = replica.state_dict()
+        peer["extra"]["trainer_position"] = dict(self.position)
+        step = replica.current_step()
+        blob = encode_state({"user": {"default": peer}, "torchft": replica.manager.state_dict()}, step)
+        replica.load_state_dict(decode_state(blob, replica._receiver_layout(), peer=1, step=step)["user"]["default"])
+
+
+PEER = {"global_step": 5, "batches_that_stepped": 5, "epoch": 1, "batches": 2}
+
+
+@pytest.mark.timeout(180)
+def test_a_healed_trainer_takes_the_peers_global_step_and_its_data_position_on_its_own_stream(lighthouse):
+    strategy = _trainer_strategy(_ft(lighthouse))
+    module = _Indexed()
+    trainer = quiet_trainer(
+        devices=1, strategy=strategy, max_steps=11, callbacks=[_Heal(PEER)], use_distributed_sampler=False
+    )
+    trainer.fit(module, _indexed())
+    # Epoch 1 (its own shuffle) from its third batch to its end, then epoch 2 from the start; stopped by max_steps
+    # at the peer's count (5 + 6 steps).
+    rest_of_epoch_1 = [(1, index, _batch(1, index)) for index in range(2, 6)]
+    assert module.seen == [*rest_of_epoch_1, (2, 0, _batch(2, 0)), (2, 1, _batch(2, 1))]
+    assert trainer.global_step == 11
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 11  # the loggers' step axis lines up too
+
+
+@pytest.mark.timeout(180)
+def test_with_a_plain_dataloader_only_the_step_follows_and_that_is_logged_once(lighthouse, caplog):
+    strategy = _trainer_strategy(_ft(lighthouse))
+    module = _Indexed()
+    trainer = quiet_trainer(
+        devices=1, strategy=strategy, max_steps=8, callbacks=[_Heal(PEER)], use_distributed_sampler=False
+    )
+    with caplog.at_level("INFO", logger="lightning_hetero"):
+        trainer.fit(module, _indexed(stateful=False))
+    assert module.seen == [(0, 0, [0, 1, 2, 3]), (0, 1, [4, 5, 6, 7]), (0, 2, [8, 9, 10, 11])]
+    assert trainer.global_step == 8
+    notes = [r.getMessage() for r in caplog.records if "data position" in r.getMessage()]
+    assert len(notes) == 1 and "StatefulDataLoader" in notes[0], notes
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_position_that_is_negative_is_refused_naming_the_field(lighthouse):
+    from lightning_hetero.comm.validation import PeerPayloadError
+
+    strategy = _trainer_strategy(_ft(lighthouse))
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=2, callbacks=[_Heal({**PEER, "batches": -1})])
+    with pytest.raises(PeerPayloadError, match=r"trainer_position.batches") as caught:
+        trainer.fit(_Indexed(), _indexed())
+    assert caught.value.field == "extra.trainer_position.batches"
 
 
 def test_a_trainer_or_fabric_spanning_nodes_is_refused_before_launch():

@@ -143,9 +143,18 @@ def _exchange(address: str, name: str, seed: int, replicator_class: type) -> dic
 
 @pytest.mark.parametrize("replicator_class", [FullReplicator, DeMoReplicator])
 def test_replicators_exchange_through_the_manager_over_the_participants(lighthouse, replicator_class):
+    from lightning_hetero import comm
+
+    sent_before = comm.get_ledger().totals(comm.INTER).sent
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda seed: _exchange(lighthouse, f"x{seed}", seed, replicator_class), (0, 1)))
     assert all(r["ok"] and r["n"] == 2 for r in results)
+    # The bytes handed to the Manager are counted in the ledger (label "inter") by the ring rule, per replica:
+    # a reduce wire is one all-reduce of its float32 payload S (sends 2 (n-1) S / n); a gather wire is an all-reduce
+    # of n slots of S bytes (sends 2 (n-1) S). Both replicas run in this process and share the global ledger.
+    wire = results[0]["wire"].numel()
+    per_replica = 2 * 1 * (4 * wire) // 2 if replicator_class is FullReplicator else 2 * 1 * wire
+    assert comm.get_ledger().totals(comm.INTER).sent - sent_before == 2 * per_replica
     assert torch.equal(results[0]["combined"], results[1]["combined"])
     # The same combination a plain all-gather / all-reduce would give, in participant order (which the quorum
     # assigns; either order gives the same mean up to rounding, so compare with a tolerance).

@@ -25,12 +25,19 @@ def test_defaults_are_valid_and_frozen():
         ("quorum_timeout_s", float("inf"), "quorum_timeout_s"),
         ("replica_id_source", "slurm", "use one of ['env', 'hostname', 'fixed']"),
         ("max_recovery_bytes", -1, "max_recovery_bytes=-1"),
+        ("max_retries", -1, "max_retries=-1: use an int >= 0"),
+        ("max_retries", 1.5, "max_retries=1.5"),
     ],
 )
 def test_a_bad_field_is_named(field, value, words):
     with pytest.raises(ValueError, match="FaultToleranceSettings") as caught:
         FaultToleranceSettings(**{field: value})
     assert words in str(caught.value)
+
+
+def test_max_retries_is_unbounded_by_default():
+    assert FaultToleranceSettings().max_retries is None
+    assert FaultToleranceSettings(max_retries=0).max_retries == 0
 
 
 def test_fixed_replica_id_needs_an_id_and_env_source_needs_the_variable(monkeypatch):
