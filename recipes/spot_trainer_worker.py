@@ -3,10 +3,13 @@
 Each replica group is its own launch (here: one process with a torchrun-style environment: ``RANK=0``,
 ``WORLD_SIZE=1``, ``MASTER_PORT`` of its own, ``REPLICA_GROUP_ID``), running ``Trainer(strategy=FlexDeMoStrategy(
 settings=FlexDeMoSettings(fault_tolerance=...)))`` on the small regression MLP of ``spot_worker.py``, on its own data
-stream. After every optimizer step it appends one JSON line to ``<out>/replica_<id>.jsonl`` when the step was committed:
-the committed step, the participants, the pid, the time, the loss and a SHA-256 of the weights. It stops once
-``<out>/stop`` holds a step number and that step is committed. A refused recovery checkpoint ends the process with
-exit code 3 and the message in ``<out>/replica_<id>.error``.
+stream (a :class:`~lightning_hetero.data.stateful.StatefulDataLoader` over batch indices, so a rejoining node continues
+at the survivors' position of its own stream). After every optimizer step (each one committed: a discarded try is
+retried) it appends one JSON line to ``<out>/replica_<id>.jsonl``: the committed step, ``global_step``, the batch index
+trained, the participants, the retries, the pid, the time, the loss, ``comm/inter_bytes_sent`` and the replicator's
+payload bytes, and a SHA-256 of the weights. Once ``<out>/stop`` holds a number, it becomes the Trainer's
+``max_steps``. A refused recovery checkpoint ends the process with exit code 3 and the message in
+``<out>/replica_<id>.error``.
 
     REPLICA_GROUP_ID=0 python recipes/spot_trainer_worker.py --lighthouse http://localhost:29510 --out /tmp/spot
 """
@@ -14,20 +17,19 @@ exit code 3 and the message in ``<out>/replica_<id>.error``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import Dataset
 
 from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.replication import ReplicationSettings
@@ -37,14 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spot_worker import FEATURES, batch, digest, forbid_pickle  # noqa: E402 - the recipe's own helpers
 
 
-class Stream(IterableDataset):
-    """This replica group's batches, one after the other (each replica group reads its own data)."""
+class Stream(Dataset):
+    """This replica group's batches by index (each replica group reads its own data), with the index attached."""
 
-    def __init__(self, replica: int) -> None:
+    def __init__(self, replica: int, length: int = 10**6) -> None:
         self.replica = replica
+        self.length = length
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return (batch(index, self.replica) for index in itertools.count())
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*batch(index, self.replica), torch.tensor(index))
 
 
 class Regression(L.LightningModule):
@@ -57,11 +63,13 @@ class Regression(L.LightningModule):
         self.lr = lr
         self.step_sleep = step_sleep
         self.last_loss = 0.0
+        self.last_index = -1
 
-    def training_step(self, data: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, target = data
+    def training_step(self, data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, target, index = data
         loss = torch.nn.functional.mse_loss(self.net(inputs), target)
         self.last_loss = float(loss.detach())
+        self.last_index = int(index)
         time.sleep(self.step_sleep)  # "compute": gives a kill time to land mid-run
         return loss
 
@@ -70,7 +78,7 @@ class Regression(L.LightningModule):
 
 
 class Journal(L.Callback):
-    """One JSON line per committed step; stops the fit at the committed step named in ``<out>/stop``."""
+    """One JSON line per committed step; ``<out>/stop`` sets ``max_steps`` (global_step counts committed steps)."""
 
     def __init__(self, out: Path, replica: int) -> None:
         self.path = out / f"replica_{replica}.jsonl"
@@ -79,21 +87,25 @@ class Journal(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, data: Any, batch_idx: int) -> None:
         runtime = trainer.strategy.runtime
         replica = runtime.replica
-        if runtime.last_commit:
-            record = {
-                "step": replica.current_step(),
-                "participants": replica.num_participants(),
-                "pid": os.getpid(),
-                "time": time.time(),
-                "loss": module.last_loss,
-                "global_step": trainer.global_step,
-                "digest": digest(module),
-            }
-            with self.path.open("a") as log:
-                log.write(json.dumps(record) + "\n")
+        sent = trainer.callback_metrics.get("comm/inter_bytes_sent")
+        record = {
+            "step": replica.current_step(),
+            "global_step": trainer.global_step,
+            "batch_index": module.last_index,
+            "participants": replica.num_participants(),
+            "retries": runtime.last_retries,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "loss": module.last_loss,
+            "inter_bytes_sent": None if sent is None else int(sent),
+            "payload_bytes": runtime.optimizer.comm_stats().get("payload_bytes"),
+            "digest": digest(module),
+        }
+        with self.path.open("a") as log:
+            log.write(json.dumps(record) + "\n")
         text = self.stop_file.read_text().strip() if self.stop_file.exists() else ""
-        if text and replica.current_step() >= int(text):
-            trainer.should_stop = True
+        if text:
+            trainer.fit_loop.epoch_loop.max_steps = int(text)  # every node stops at the same committed step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy=FlexDeMoStrategy(settings=settings),
         max_epochs=1,
         max_steps=-1,
+        use_distributed_sampler=False,  # one rank per launch: the node's own stream, in order
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -136,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[Journal(args.out, replica)],
     )
     try:
-        trainer.fit(module, DataLoader(Stream(replica), batch_size=None))
+        trainer.fit(module, StatefulDataLoader(Stream(replica), batch_size=None))
     except PeerPayloadError as error:
         (args.out / f"replica_{replica}.error").write_text(f"{type(error).__name__}: {error}\n")
         return 3

@@ -5,7 +5,10 @@ of its own (``RANK=0``, ``WORLD_SIZE=1``, its own ``MASTER_PORT``, ``REPLICA_GRO
 
 One replica group is SIGKILLed mid-run: the survivors step on without a restart (same pid, the committed step keeps
 rising, 2 participants). It is restarted, rejoins, is healed through the pickle-free transport and, after its first
-committed step, its weights equal the survivors' bit for bit; at the end all three are identical.
+committed step, its weights equal the survivors' bit for bit; at the end all three are identical. Lightning's
+``global_step`` counts committed steps on every node (the rejoined one takes the survivors' count), the rejoined node's
+data continues at the survivors' position of its own stream, ``max_steps`` stops all three at the same step, and
+``comm/inter_bytes_sent`` is what each node handed to torchft's Manager by the ledger's ring rule.
 """
 
 from __future__ import annotations
@@ -111,12 +114,17 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         first = _steps(tmp_path, 2)[before_rejoin]
         assert first["pid"] != _steps(tmp_path, 2)[0]["pid"], "the restarted replica group is a new process"
         assert first["step"] > killed_at + 3, (first, killed_at)  # it joined at the survivors' step, not at 0
-        assert first["global_step"] < first["step"], first  # Lightning's own counter restarted; the committed one not
+        assert first["global_step"] == first["step"], first  # Lightning's counter took the survivors' committed count
         _wait(lambda: all(any(r["step"] == first["step"] for r in _steps(tmp_path, i)) for i in (0, 1)), "peers", procs)
+        peers_index = set()
         for i in (0, 1):
             peer = next(r for r in _steps(tmp_path, i) if r["step"] == first["step"])
             assert peer["digest"] == first["digest"], f"the rejoined group differs from group {i} after its first step"
             assert peer["participants"] == first["participants"] == 3
+            peers_index.add(peer["batch_index"])
+        # Its data position followed: the batch of its own stream at the survivors' position, not its batch 0 (a
+        # survivor healed in place keeps its own position, so match either survivor).
+        assert first["batch_index"] in peers_index and first["batch_index"] > killed_at, (first, peers_index)
 
         # A replica group whose own layout differs (hidden width 24): the recovery a live peer sends is refused, and
         # the PeerPayloadError comes out of trainer.fit naming the peer and the field.
@@ -127,12 +135,26 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         assert "this replica holds F32 [24, 8]" in error, error
 
         last = max(r["step"] for i in range(3) for r in _steps(tmp_path, i))
-        (tmp_path / "stop").write_text(str(last + 3))
+        stop = last + 3
+        (tmp_path / "stop").write_text(str(stop))  # becomes every node's max_steps
         for name in ("0", "1", "2"):
             assert procs[name].wait(timeout=120) == 0, f"replica group {name} failed"
 
         finals = [next(r for r in _records(tmp_path, i) if r.get("final")) for i in range(3)]
         assert len({f["digest"] for f in finals}) == 1, finals
+        assert [f["global_step"] for f in finals] == [stop] * 3, finals  # max_steps stopped all at the same step
+        for i in range(3):
+            for record in _steps(tmp_path, i):
+                assert record["global_step"] == record["step"], record  # global_step counts committed steps
+        rejoined = _steps(tmp_path, 2)[before_rejoin:]
+        assert len({r["batch_index"] - r["step"] for r in rejoined}) == 1, rejoined  # one batch per committed step
+        # The bytes handed to the Manager (DeMo: a gather wire, all-reduced as n slots of the payload S) are counted:
+        # 2 (n - 1) S per step by the ring rule, for a step committed at its first try.
+        for i in range(3):
+            for record in _steps(tmp_path, i):
+                if record["retries"] == 0:
+                    expected = 2 * (record["participants"] - 1) * record["payload_bytes"]
+                    assert record["inter_bytes_sent"] == expected > 0, record
         committed: set[int] = set()
         for i in (0, 1):
             steps = [r["step"] for r in _steps(tmp_path, i)]

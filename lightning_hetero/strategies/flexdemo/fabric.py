@@ -20,12 +20,15 @@ still reduce-scatters inside the node). ``fabric.clip_gradients`` clips with the
 The fault-tolerant mode (``FlexDeMoSettings(fault_tolerance=...)``, ``docs/spot.md``; one rank per launch): call
 ``strategy.start_step()`` at the top of every iteration, before the forward (it joins the step's torchft quorum; a
 joining replica is healed there), and read ``strategy.last_commit`` after ``optimizer.step()`` (False: the quorum did
-not commit the step, and the weights and optimizer state were restored; the same batch may be retried)::
+not commit the step, and the weights, gradients and optimizer state were restored). Your loop owns the counting:
+``strategy.committed_steps`` is the quorum's committed step (equal on every replica group, a healed joiner included),
+so index your data and stop by it, and retry a batch whose step was not committed::
 
-    for batch in loader:
-        strategy.start_step()
+    while strategy.committed_steps < total_steps:
+        strategy.start_step()                        # a joiner is healed here: committed_steps jumps to the peers'
+        batch = data[strategy.committed_steps]       # this node's own data at the committed position
         fabric.backward(model(**batch).loss)
-        optimizer.step()
+        optimizer.step()                             # not committed: the next iteration retries the same batch
         optimizer.zero_grad()
 """
 
@@ -104,6 +107,12 @@ class FlexDeMoStrategy(FabricStrategyBase[FlexDeMoSettings]):
         if scheduler is not None:
             repoint_scheduler(scheduler, optimizer, converted)
         return module, [converted], scheduler
+
+    @property
+    def committed_steps(self) -> int:
+        """Fault-tolerant mode: steps the quorum committed (torchft's step; after ``start_step()`` a healed joiner
+        has the survivors' count); 0 otherwise. Index your data and stop your loop by it."""
+        return self.runtime.committed_steps
 
     @property
     def last_commit(self) -> bool | None:

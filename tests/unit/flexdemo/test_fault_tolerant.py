@@ -316,6 +316,7 @@ def test_a_fabric_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
             optimizer.zero_grad()
             metrics.append(dict(strategy.last_comm_metrics))
         replicator_step = optimizer.replicator.step
+        committed_steps = strategy.committed_steps
         fabric.strategy.teardown()
     finally:
         lighthouse.shutdown()
@@ -327,6 +328,8 @@ def test_a_fabric_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
     unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert unchanged is not committed
     assert replicator_step == (3 if committed else 0)
+    assert committed_steps == (3 if committed else 0)  # what a Fabric loop indexes its data and stops by
+    assert [m["ft/retries"] for m in metrics] == [0.0] * 3  # Fabric does not retry: the user's loop decides
 
 
 def test_the_spot_config_parses_into_fault_tolerance_settings(tmp_path, monkeypatch):
