@@ -75,6 +75,8 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`FlexDeMoSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
+        self._position: _TrainerPosition | None = None
+        """Fault-tolerant mode: the Trainer position handed to and taken from peers (from ``setup_optimizers``)."""
 
     # ------------------------------------------------------------------------------------------------ public
 
@@ -210,7 +212,7 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        position = getattr(self, "_position", None)
+        position = self._position
         if self.runtime.replica is not None and position is not None:
             position.start()
             # The first quorum before the first batch is drawn: a joiner healed here can still move its data position.
@@ -219,7 +221,7 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        position = getattr(self, "_position", None)
+        position = self._position
         if self.runtime.replica is not None and position is not None:
             position.first_batch()
         self.runtime.start_replica_step()  # fault-tolerant mode: the quorum (and any healing) before the forward

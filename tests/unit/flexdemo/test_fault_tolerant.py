@@ -228,11 +228,19 @@ PEER = {"global_step": 5, "batches_that_stepped": 5, "epoch": 1, "batches": 2}
 
 
 @pytest.mark.timeout(180)
-def test_a_healed_trainer_takes_the_peers_global_step_and_its_data_position_on_its_own_stream(lighthouse):
+@pytest.mark.parametrize("distributed_sampler", [False, True], ids=["own-sampler", "lightning-distributed-sampler"])
+def test_a_healed_trainer_takes_the_peers_global_step_and_its_data_position_on_its_own_stream(
+    lighthouse, distributed_sampler
+):
+    # Lightning's DistributedSampler (one replica, seed 0) draws the same per-epoch order as the loader's own sampler.
     strategy = _trainer_strategy(_ft(lighthouse))
     module = _Indexed()
     trainer = quiet_trainer(
-        devices=1, strategy=strategy, max_steps=11, callbacks=[_Heal(PEER)], use_distributed_sampler=False
+        devices=1,
+        strategy=strategy,
+        max_steps=11,
+        callbacks=[_Heal(PEER)],
+        use_distributed_sampler=distributed_sampler,
     )
     trainer.fit(module, _indexed())
     # Epoch 1 (its own shuffle) from its third batch to its end, then epoch 2 from the start; stopped by max_steps
