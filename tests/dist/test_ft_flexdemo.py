@@ -146,8 +146,10 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         for i in range(3):
             for record in _steps(tmp_path, i):
                 assert record["global_step"] == record["step"], record  # global_step counts committed steps
-        rejoined = _steps(tmp_path, 2)[before_rejoin:]
-        assert len({r["batch_index"] - r["step"] for r in rejoined}) == 1, rejoined  # one batch per committed step
+        # From there on, one batch of its own stream per committed step (a node left out of a quorum is healed in
+        # place later and keeps its position, so the step may jump while the batches stay consecutive).
+        rejoined = [r["batch_index"] for r in _steps(tmp_path, 2)[before_rejoin:]]
+        assert rejoined == list(range(rejoined[0], rejoined[0] + len(rejoined))), rejoined
         # The bytes handed to the Manager (DeMo: a gather wire, all-reduced as n slots of the payload S) are counted:
         # 2 (n - 1) S per step by the ring rule, for a step committed at its first try.
         for i in range(3):

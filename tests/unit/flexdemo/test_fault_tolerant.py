@@ -208,12 +208,22 @@ def test_a_discarded_trainer_step_is_retried_with_the_same_batch_and_does_not_co
 
 
 class _Heal(__import__("lightning").Callback):
-    """Loads a live peer's state at the first quorum, as torchft does for a joining replica (through the codec)."""
+    """Loads a live peer's state at the first quorum (or before batch ``at_batch``), as torchft does for a joining
+    (or lagging) replica, through the codec."""
 
-    def __init__(self, position: dict[str, int]) -> None:
+    def __init__(self, position: dict[str, int], at_batch: int | None = None) -> None:
         self.position = position
+        self.at_batch = at_batch
 
     def on_train_start(self, trainer, module):
+        if self.at_batch is None:
+            self._heal(trainer)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == self.at_batch:
+            self._heal(trainer)
+
+    def _heal(self, trainer):
         from lightning_hetero.ft.codec import decode_state, encode_state
 
         replica = trainer.strategy.runtime.replica
@@ -249,6 +259,22 @@ def test_a_healed_trainer_takes_the_peers_global_step_and_its_data_position_on_i
     assert module.seen == [*rest_of_epoch_1, (2, 0, _batch(2, 0)), (2, 1, _batch(2, 1))]
     assert trainer.global_step == 11
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 11  # the loggers' step axis lines up too
+
+
+@pytest.mark.timeout(180)
+def test_a_trainer_healed_in_place_mid_epoch_takes_the_peers_step_and_keeps_its_data_position(lighthouse, caplog):
+    strategy = _trainer_strategy(_ft(lighthouse))
+    module = _Indexed()
+    peer = {"global_step": 7, "batches_that_stepped": 7, "epoch": 0, "batches": 4}
+    heal = _Heal(peer, at_batch=1)
+    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=9, callbacks=[heal], use_distributed_sampler=False)
+    with caplog.at_level("INFO", logger="lightning_hetero"):
+        trainer.fit(module, _indexed())
+    # Batch 1 commits as the peer's step 8, batch 2 as step 9; the loader is not moved mid-epoch.
+    assert module.seen == [(0, index, _batch(0, index)) for index in range(3)]
+    assert trainer.global_step == 9 and trainer.fit_loop.epoch_loop._batches_that_stepped == 9
+    notes = [r.getMessage() for r in caplog.records if "mid-epoch" in r.getMessage()]
+    assert len(notes) == 1 and "epoch 0, batch 1; the peer's: epoch 0, batch 4" in notes[0], notes
 
 
 @pytest.mark.timeout(180)
