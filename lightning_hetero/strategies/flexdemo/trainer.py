@@ -313,9 +313,10 @@ class _TrainerPosition:
         trainer = self.trainer
         loop = trainer.fit_loop.epoch_loop
         module = trainer.lightning_module
-        automatic = module is None or module.automatic_optimization
-        steps = loop.automatic_optimization.optim_progress.optimizer.step if automatic else None
-        steps = steps if steps is not None else loop.manual_optimization.optim_step_progress
+        if module is None or module.automatic_optimization:
+            steps = loop.automatic_optimization.optim_progress.optimizer.step
+        else:
+            steps = loop.manual_optimization.optim_step_progress
         # global_step reads the total of completed optimizer steps; a step in flight (ready, not completed) stays so.
         steps.total.increment_by(position["global_step"] - trainer.global_step)
         loader = trainer.train_dataloader
