@@ -169,7 +169,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--adamw-exchange",
-        choices=["direction", "gradient"],
+        choices=["direction", "preconditioned", "gradient"],
         default="direction",
         help="flexdemo: what a converted AdamW sends (FlexDeMoSettings.adamw_exchange)",
     )

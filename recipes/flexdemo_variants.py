@@ -15,6 +15,9 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
               | "xgrad"       the converted DecoupledAdamW exchanges the raw gradient (error feedback on it) and runs
                               Adam on the combined gradient (``FlexDeMoSettings.adamw_exchange="gradient"``) instead
                               of exchanging local Adam's direction
+              | "xpre"        the converted DecoupledAdamW exchanges the gradient preconditioned by local Adam's
+                              second moment, its error-feedback buffer being the first moment
+                              (``FlexDeMoSettings.adamw_exchange="preconditioned"``)
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
@@ -42,13 +45,14 @@ VALUES = ("fp32", "bf16", "sign", "ternary")
 CHUNKED = ("demo", "topk")
 WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
 GRAMMAR_HELP = (
-    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd|-xgrad][-h<H>][-olr<x>][-om<x>]"
-    "[-demo1/N][@<lr>]"
+    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd|-xgrad|-xpre][-h<H>]"
+    "[-olr<x>][-om<x>][-demo1/N][@<lr>]"
     f" with replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk (and diloco with demo1/N),"
     f" noef: {'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om/demo1/N: diloco only (e.g. demo-1/32-sign-c128@3e-4,"
     " diloco-h16-olr0.7, diloco-h8-demo1/32-bf16)"
 )
 
+_EXCHANGE_TOKENS = {"xgrad": "gradient", "xpre": "preconditioned"}  # FlexDeMoSettings.adamw_exchange
 _FRACTION = re.compile(r"1/(\d+)")
 _OUTER_FRACTION = re.compile(r"demo1/(\d+)")
 _INTEGER_OPTION = re.compile(r"(c|h)(\d+)")
@@ -185,8 +189,8 @@ def parse_variant(name: str) -> Variant:
             put("values", token, token)
         elif token == "sgd":
             put("optimizer", "sgd", token)
-        elif token == "xgrad":
-            put("adamw_exchange", "gradient", token)
+        elif token in _EXCHANGE_TOKENS:
+            put("adamw_exchange", _EXCHANGE_TOKENS[token], token)
         elif token == "noef":
             _only(name, token, replicator, WITH_ERROR_FEEDBACK, "error feedback off")
             put("error_feedback", False, token)
@@ -218,7 +222,7 @@ def parse_variant(name: str) -> Variant:
     if replicator == "diloco" and "sync_every" in fields and "compression" in fields:
         raise ValueError(f"variant {name!r}: give DiLoCo's period once, as h<H> or as 1/N (which means H = N)")
     if fields.get("optimizer") == "sgd" and "adamw_exchange" in fields:
-        raise ValueError(f"variant {name!r}: xgrad sets how AdamW is exchanged; drop it or sgd (DeMoSGD)")
+        raise ValueError(f"variant {name!r}: xgrad/xpre set how AdamW is exchanged; drop it or sgd (DeMoSGD)")
     if replicator == "full" and "compression" in fields:
         raise ValueError(f"variant {name!r}: 'full' sends everything; drop the fraction (use values to compress)")
     fields.setdefault("compression", 1 / 32)

@@ -57,8 +57,8 @@ def convert_optimizer(
         optimizer: The user's optimizer (no state yet).
         make_replicator: Builds the strategy's replicator for a converted optimizer.
         owner: Name used in messages.
-        adamw_exchange: ``exchange`` of a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"`` or
-            ``"gradient"``; see :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`).
+        adamw_exchange: ``exchange`` of a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"``,
+            ``"preconditioned"`` or ``"gradient"``; see :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`).
 
     Returns:
         ``(optimizer, description)``; ``optimizer`` is the input itself when it already replicates.

@@ -21,6 +21,11 @@ Semantics (``g`` the local gradient after the strategy's clipping, ``eta`` the l
       ``d = m_hat / (sqrt(v_hat) + eps)``, ``e <- e + d``, ``u = R(e)`` with ``e <- e - sent`` (error feedback on the
       direction), ``theta <- theta (1 - eta lambda) - eta u`` (``sign=True``: ``sign(u)``). The moments are local:
       each node normalizes its own gradient before anything is combined;
+    - compressing replicators, ``exchange="preconditioned"``: local second moment only,
+      ``p = g / (sqrt(v_hat) + eps)``, ``e <- e + p``, ``u = R(e)`` with ``e <- e - sent``,
+      ``theta <- theta (1 - eta lambda) - eta u``. The error-feedback buffer plays the first moment (DeMo's decoupled
+      momentum: what is not sent keeps accumulating), so Adam's ``beta1`` is not applied on top of it; ``"direction"``
+      smooths twice (Adam's ``m`` and then the buffer), which measured worse (docs/flexdemo.md);
     - compressing replicators, ``exchange="gradient"``: ``e <- e + g``, ``u = R(e)`` with ``e <- e - sent`` (error
       feedback on the raw gradient), then Adam on ``u`` exactly as in the full case below. ``u`` is identical on every
       replica, so the moments are too (no drift); a replicator that keeps everything gives torch AdamW on the mean
@@ -45,7 +50,7 @@ from lightning_hetero.replication import Replicator
 
 __all__ = ["DeMoSGD", "DecoupledAdamW"]
 
-_EXCHANGES = ("direction", "gradient")
+_EXCHANGES = ("direction", "preconditioned", "gradient")
 
 
 def _check(name: str, value: float, low: float, high: float | None = None, *, open_high: bool = True) -> None:
@@ -114,8 +119,10 @@ class DecoupledAdamW(ReplicatingOptimizer):
         weight_decay: Decoupled weight decay (as ``torch.optim.AdamW``; default 0.01 like torch, set explicitly).
         sign: Apply ``sign`` to the combined direction (default off).
         exchange: What a compressing replicator sends: ``"direction"`` (local Adam's update direction, error feedback
-            on it) or ``"gradient"`` (the raw gradient with error feedback; Adam runs on the combined gradient, its
-            moments identical on every replica). Full and DiLoCo replication ignore it.
+            on it), ``"preconditioned"`` (the gradient divided by local Adam's ``sqrt(v_hat) + eps``, error feedback
+            on it: the error-feedback buffer is the first moment, as in DeMo, so ``betas[0]`` is not used) or
+            ``"gradient"`` (the raw gradient with error feedback; Adam runs on the combined gradient, its moments
+            identical on every replica). Full and DiLoCo replication ignore it.
         replicator: Replicator or name; default ``"full"`` (== torch AdamW on the replica-mean gradient).
         compression: Fraction kept, for a replicator built by name.
         **replicator_options: Options for a replicator built by name.
@@ -131,7 +138,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         sign: bool = False,
-        exchange: Literal["direction", "gradient"] = "direction",
+        exchange: Literal["direction", "preconditioned", "gradient"] = "direction",
         replicator: Replicator | str | None = None,
         compression: float = 1 / 32,
         **replicator_options: Any,
@@ -155,21 +162,27 @@ class DecoupledAdamW(ReplicatingOptimizer):
             params, defaults, replicator=replicator, compression=compression, replicator_options=replicator_options
         )
 
-    def _adam_direction(self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """Advance the local moments with ``grad``; return ``m_hat / (sqrt(v_hat) + eps)`` (torch AdamW's order)."""
-        beta1, beta2 = group["betas"]
+    def _second_moment_denominator(
+        self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]
+    ) -> tuple[torch.Tensor, float]:
+        """Advance the step and ``v`` with ``grad``; return ``(sqrt(v_hat) + eps, step)`` (torch AdamW's order)."""
+        beta2 = group["betas"][1]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        exp_avg = self._buffer(state, "exp_avg", grad)
         exp_avg_sq = self._buffer(state, "exp_avg_sq", grad)
         state["step"] += 1
         step = state["step"].item()
-        exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        return exp_avg.div(denom).div_(bias_correction1)
+        return (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"]), step
+
+    def _adam_direction(self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance the local moments with ``grad``; return ``m_hat / (sqrt(v_hat) + eps)`` (torch AdamW's order)."""
+        beta1 = group["betas"][0]
+        exp_avg = self._buffer(state, "exp_avg", grad)
+        exp_avg.lerp_(grad, 1 - beta1)  # before v, as torch does (the two are independent)
+        denom, step = self._second_moment_denominator(state, grad, group)
+        return exp_avg.div(denom).div_(1 - beta1**step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint taken with the same ``exchange`` (the error buffers of the two modes differ).
@@ -199,7 +212,10 @@ class DecoupledAdamW(ReplicatingOptimizer):
             return grad
         if self._adam_after_exchange(group):
             return self._buffer(state, "error", grad).add_(grad)
-        direction = self._adam_direction(state, grad, group)
+        if group["exchange"] == "preconditioned":  # the error-feedback buffer is the first moment: no beta1 here
+            direction = grad / self._second_moment_denominator(state, grad, group)[0]
+        else:
+            direction = self._adam_direction(state, grad, group)
         return self._buffer(state, "error", grad).add_(direction)
 
     def _apply(self, state: dict[str, Any], param: torch.Tensor, combined: torch.Tensor, group: dict[str, Any]) -> None:

@@ -49,11 +49,13 @@ class FlexDeMoSettings:
         log_comm_stats: Trainer only: log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``,
             ``comm/wait_seconds``, ... every step (Fabric: read ``strategy.last_comm_metrics``).
         adamw_exchange: What crosses nodes when the module's AdamW/Adam is converted to ``DecoupledAdamW`` with a
-            compressing replicator: ``"direction"`` (default) runs Adam locally on each node's gradient and exchanges
-            its update direction ``m_hat / (sqrt(v_hat) + eps)`` (error feedback on the direction); ``"gradient"``
-            exchanges the raw gradient (error feedback on the gradient) and runs Adam on the combined gradient, so the
-            moments are identical on every node and, when the replicator keeps everything, the step is exactly
-            ``torch.optim.AdamW`` on the nodes' mean gradient. Full and DiLoCo replication ignore it.
+            compressing replicator (Full and DiLoCo replication ignore it): ``"direction"`` (default) runs Adam
+            locally on each node's gradient and exchanges its update direction ``m_hat / (sqrt(v_hat) + eps)``
+            (error feedback on the direction); ``"preconditioned"`` exchanges the gradient divided by the local
+            ``sqrt(v_hat) + eps`` and lets the error-feedback buffer be the first moment (DeMo's decoupled momentum;
+            Adam's ``beta1`` is not used); ``"gradient"`` exchanges the raw gradient (error feedback on it) and runs
+            Adam on the combined gradient, so the moments are identical on every node and, when the replicator keeps
+            everything, the step is exactly ``torch.optim.AdamW`` on the nodes' mean gradient.
         fault_tolerance: Opt-in spot-worker mode (see ``docs/spot.md``): the model copies are torchft replica
             groups that may leave and rejoin mid-run while the others keep training
             (:class:`~lightning_hetero.ft.FaultToleranceSettings`: lighthouse, ``min_replicas``, timeouts, replica
@@ -83,7 +85,7 @@ class FlexDeMoSettings:
     block_classes: tuple[str, ...] | None = None
     on_bad_payload: Literal["raise", "drop"] = "raise"
     log_comm_stats: bool = True
-    adamw_exchange: Literal["direction", "gradient"] = "direction"
+    adamw_exchange: Literal["direction", "preconditioned", "gradient"] = "direction"
     fault_tolerance: FaultToleranceSettings | None = None
 
     def __post_init__(self) -> None:
@@ -109,7 +111,7 @@ class FlexDeMoSettings:
                 )
             object.__setattr__(self, "block_classes", tuple(classes))  # a list from Python is accepted; frozen: tuple
         check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
-        check_choice(_OWNER, "adamw_exchange", self.adamw_exchange, ("direction", "gradient"))
+        check_choice(_OWNER, "adamw_exchange", self.adamw_exchange, ("direction", "preconditioned", "gradient"))
         if self.fault_tolerance is not None and not isinstance(self.fault_tolerance, FaultToleranceSettings):
             raise ValueError(
                 f"{_OWNER}.fault_tolerance={self.fault_tolerance!r}: use a FaultToleranceSettings(...) (YAML: a mapping"

@@ -57,6 +57,7 @@ OPTIMIZERS = {
     "sgd": DeMoSGD,
     "adamw": DecoupledAdamW,
     "adamw-gradient": functools.partial(DecoupledAdamW, exchange="gradient"),  # Adam after the exchange
+    "adamw-preconditioned": functools.partial(DecoupledAdamW, exchange="preconditioned"),  # buffer = first moment
 }
 
 

@@ -104,6 +104,42 @@ def test_gradient_exchange_single_replica_matches_hand_computation(device: torch
     assert torch.allclose(optimizer.state[p]["exp_avg"], moments["m"], atol=1e-6)  # moments of u, not of g
 
 
+def test_preconditioned_exchange_single_replica_matches_hand_computation(device: torch.device) -> None:
+    """exchange="preconditioned": p = g / (sqrt(v_hat) + eps); e += p; u = IDCT(topk(DCT(e))); e -= u; theta -= lr u.
+    No first moment besides the buffer: beta1 is not used (0.0 and 0.9 give the same run)."""
+    runs = []
+    for beta1 in (0.9, 0.0):
+        p = _param(8, 8, device=device)
+        optimizer = DecoupledAdamW(
+            [p],
+            lr=0.01,
+            betas=(beta1, 0.99),
+            weight_decay=0.1,
+            exchange="preconditioned",
+            replicator="demo",
+            compression=1 / 16,
+            chunk=4,
+        )
+        for step in range(1, 4):
+            p.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(30 + step)).to(device)
+            optimizer.step()
+        runs.append((p.detach().clone(), optimizer))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert "exp_avg" not in runs[0][1].state[next(iter(runs[0][1].state))]
+    dct, error, v = ChunkedDCT(4), torch.zeros(8, 8, device=device), torch.zeros(8, 8, device=device)
+    expected = _param(8, 8, device=device).detach().clone()
+    for step in range(1, 4):
+        grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(30 + step)).to(device)
+        v = 0.99 * v + 0.01 * grad * grad
+        error = error + grad / ((v / (1 - 0.99**step)).sqrt() + 1e-8)
+        coefficients = dct.encode(error)
+        top = coefficients.abs().argmax(dim=1, keepdim=True)
+        update = dct.decode(torch.zeros_like(coefficients).scatter_(1, top, coefficients.gather(1, top)), (8, 8))
+        error = error - update
+        expected = expected * (1 - 0.01 * 0.1) - 0.01 * update
+    assert torch.allclose(runs[0][0], expected, atol=1e-6)
+
+
 def test_gradient_exchange_keeping_everything_equals_torch_adamw(device: torch.device) -> None:
     ours, theirs = _param(6, 4, device=device), _param(6, 4, device=device)
     optimizer = DecoupledAdamW(

@@ -77,6 +77,7 @@ def test_sweep_dimensions_reach_the_worker():
     assert variants.validate_variant("diloco-h8-demo1/32").replicator_options()["outer_compression"] == 1 / 32
     assert variants.parse_variant("demo-1/32-sign@1e-3").speed_key == "demo-1/32-sign"
     assert bench.worker_args("demo-1/32-sign-xgrad")[-2:] == ["--adamw-exchange", "gradient"]
+    assert bench.worker_args("demo-1/32-sign-xpre")[-2:] == ["--adamw-exchange", "preconditioned"]
     assert not variants.parse_variant("demo-1/32-sign").periodic
 
 
@@ -97,7 +98,7 @@ def test_sweep_dimensions_reach_the_worker():
         ("diloco-h16-1/32", "give DiLoCo's period once"),
         ("full-1/32", "'full' sends everything"),
         ("ddp-sign", "takes no options"),
-        ("demo-sgd-xgrad", "xgrad sets how AdamW is exchanged"),
+        ("demo-sgd-xgrad", "xgrad/xpre set how AdamW is exchanged"),
         ("demo-1/32@fast", "must be a learning rate"),
         ("demo-1/32@-1e-3", "must be > 0"),
         ("demo-1/0", "must be 1/N with N >= 1"),
