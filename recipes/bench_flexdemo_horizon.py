@@ -404,6 +404,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["demo-1/16-sign", "demo-1/32-bf16", "diloco-h4-olr1-om0-demo1/32-bf16"],
         help="more FlexDeMo variants, run at FlexDeMo's best learning rate",
     )
+    parser.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        help="more FlexDeMo runs, each at its own @lr (e.g. another exchange's sweep), tuned and ranked with the rest",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the first one is the tuning seed")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr-warmup", type=int, default=100, help="linear warmup steps, then cosine to 0.1 x lr")
@@ -430,6 +436,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             validate_variant(knob)
             if "@" in knob:
                 raise ValueError(f"--knobs {knob!r}: knobs run at FlexDeMo's best rate; drop the @lr")
+        for extra in args.also:
+            variant = validate_variant(extra)
+            if variant.baseline or variant.learning_rate is None:
+                raise ValueError(
+                    f"--also {extra!r}: name a FlexDeMo variant with its learning rate, e.g. demo-1/32@1e-3"
+                )
         per_rank_batch(args)
     except ValueError as error:
         parser.error(str(error))
@@ -459,9 +471,9 @@ def main(argv: list[str] | None = None) -> None:
         tuning[name] = quality_run(name, tuning_seed, args)
     best_lr = parse_variant(pick_best(tuning, sweeps)).learning_rate
     knobs = [f"{knob}@{best_lr:g}" for knob in args.knobs]
-    for name in knobs:
+    for name in [*knobs, *args.also]:
         tuning[name] = quality_run(name, tuning_seed, args)
-    baseline, flexdemo = pick_best(tuning, baselines), pick_best(tuning, [*sweeps, *knobs])
+    baseline, flexdemo = pick_best(tuning, baselines), pick_best(tuning, [*sweeps, *knobs, *args.also])
     seeds = {
         name: [tuning[name]] + [quality_run(name, seed, args) for seed in args.seeds[1:]]
         for name in (baseline, flexdemo)

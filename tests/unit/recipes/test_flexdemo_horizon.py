@@ -34,6 +34,8 @@ def _speed(step_s: float, wire: float) -> dict:
         (["--steps", "2000", "--val-every", "41"], "more than 2%"),
         (["--topology", "2x2", "--global-batch", "6"], "not divisible"),
         (["--knobs", "demo-1/16-sign@1e-3"], "drop the @lr"),
+        (["--also", "demo-1/16-sign"], "with its learning rate"),
+        (["--also", "ddp@1e-3"], "name a FlexDeMo variant"),
         (["--flexdemo", "hsdp"], "stock baseline"),
         (["--knobs", "demo-1/7x"], "demo-1/7x"),
     ],
@@ -87,17 +89,22 @@ def test_pick_best_is_the_lowest_final_loss() -> None:
 
 @pytest.mark.timeout(600)
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
-    """Two runs on loopback (DDP and FlexDeMo, 2 nodes x 1 rank, 4 steps): whole runs, the table, the plots."""
+    """Three runs on loopback (DDP, FlexDeMo with each AdamW exchange; 2 nodes x 1 rank, 4 steps): whole runs, the
+    table, the plots."""
     out = tmp_path / "horizon"
     argv = ["--topology", "2x1", "--steps", "4", "--val-every", "1", "--val-batches", "1", "--lr-warmup", "1"]
-    argv += ["--baseline-lrs", "1e-3", "--flexdemo-lrs", "1e-3", "--knobs", "--seeds", "0", "--no-speed"]
+    argv += ["--baseline-lrs", "1e-3", "--flexdemo", "demo-1/32-sign-xpre", "--flexdemo-lrs", "1e-3", "--knobs"]
+    argv += ["--also", "demo-1/32-sign@1e-3", "--seeds", "0", "--no-speed"]
     horizon.main([*argv, "--out-dir", str(out)])
     results = json.loads((out / "results.json").read_text())
-    assert set(results["tuning"]) == {"ddp@0.001", "demo-1/32-sign@0.001"}
+    assert set(results["tuning"]) == {"ddp@0.001", "demo-1/32-sign-xpre@0.001", "demo-1/32-sign@1e-3"}
     for run in results["tuning"].values():
         assert [step for step, _ in run["val_losses"]] == [1, 2, 3, 4]
         assert run["train_tokens"] == 4 * 4 * 128 and run["exit_codes"][0] == 0
-    assert results["analysis"]["flexdemo"]["variant"] == "demo-1/32-sign@0.001"
+    flexdemo = [results["tuning"][name] for name in ("demo-1/32-sign-xpre@0.001", "demo-1/32-sign@1e-3")]
+    assert flexdemo[0]["val_losses"] != flexdemo[1]["val_losses"]  # the exchange reached the optimizer
+    best = min(flexdemo, key=lambda run: run["val_losses"][-1][1])["variant"]
+    assert results["analysis"]["flexdemo"]["variant"] == best
     assert (out / "val_loss_vs_tokens.png").stat().st_size > 0 and (out / "tuning.png").stat().st_size > 0
     again = horizon.quality_run("ddp@0.001", 0, horizon.parse_args([*argv, "--out-dir", str(out), "--reuse"]))
     assert again["val_losses"] == results["tuning"]["ddp@0.001"]["val_losses"]  # reused, not rerun
