@@ -49,7 +49,7 @@ def convert_optimizer(
     make_replicator: Callable[[], Any],
     owner: str = "FlexDeMoStrategy",
     *,
-    adamw_exchange: str = "direction",
+    adamw_exchange: str = "preconditioned",
 ) -> tuple[ReplicatingOptimizer, str]:
     """A replicating optimizer with the same param groups and hyperparameters as ``optimizer``.
 

@@ -138,7 +138,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         sign: bool = False,
-        exchange: Literal["direction", "preconditioned", "gradient"] = "direction",
+        exchange: Literal["direction", "preconditioned", "gradient"] = "preconditioned",
         replicator: Replicator | str | None = None,
         compression: float = 1 / 32,
         **replicator_options: Any,

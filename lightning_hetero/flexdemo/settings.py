@@ -85,7 +85,7 @@ class FlexDeMoSettings:
     block_classes: tuple[str, ...] | None = None
     on_bad_payload: Literal["raise", "drop"] = "raise"
     log_comm_stats: bool = True
-    adamw_exchange: Literal["direction", "preconditioned", "gradient"] = "direction"
+    adamw_exchange: Literal["direction", "preconditioned", "gradient"] = "preconditioned"
     fault_tolerance: FaultToleranceSettings | None = None
 
     def __post_init__(self) -> None:

@@ -55,9 +55,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
 COMPRESSION = 0.25
 OPTIMIZERS = {
     "sgd": DeMoSGD,
-    "adamw": DecoupledAdamW,
+    "adamw": DecoupledAdamW,  # exchange="preconditioned" (the default): the error-feedback buffer is the first moment
     "adamw-gradient": functools.partial(DecoupledAdamW, exchange="gradient"),  # Adam after the exchange
-    "adamw-preconditioned": functools.partial(DecoupledAdamW, exchange="preconditioned"),  # buffer = first moment
+    "adamw-direction": functools.partial(DecoupledAdamW, exchange="direction"),  # local Adam's direction (0.1)
 }
 
 

@@ -162,16 +162,16 @@ def test_exchange_mode_must_match_on_resume() -> None:
     trained.step()
     state = copy.deepcopy(trained.state_dict())
     with pytest.raises(ValueError, match=r"exchange='gradient'.*adamw_exchange"):
-        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
+        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)  # default: preconditioned
     same = DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient")
     same.load_state_dict(state)
     assert torch.equal(same.state[p]["error"], trained.state[p]["error"])
-    # A checkpoint from before the setting existed was taken in direction mode.
+    # A checkpoint from before the setting existed (0.1) was taken in direction mode.
     for group in state["param_groups"]:
         del group["exchange"]
     with pytest.raises(ValueError, match="exchange='direction'"):
-        DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient").load_state_dict(state)
-    DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
+        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
+    DecoupledAdamW([p], replicator="random", compression=0.5, exchange="direction").load_state_dict(state)
 
 
 def test_exchange_mode_is_checked() -> None:
