@@ -13,11 +13,12 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
                               momentum 0.999 of the raw gradients, DCT top-k of it sent, sign update) instead of
                               DecoupledAdamW
               | "xgrad"       the converted DecoupledAdamW exchanges the raw gradient (error feedback on it) and runs
-                              Adam on the combined gradient (``FlexDeMoSettings.adamw_exchange="gradient"``) instead
-                              of exchanging local Adam's direction
+                              Adam on the combined gradient (``FlexDeMoSettings.adamw_exchange="gradient"``)
               | "xpre"        the converted DecoupledAdamW exchanges the gradient preconditioned by local Adam's
                               second moment, its error-feedback buffer being the first moment
-                              (``FlexDeMoSettings.adamw_exchange="preconditioned"``)
+                              (``FlexDeMoSettings.adamw_exchange="preconditioned"``, the strategy's default). Without
+                              xgrad/xpre a variant runs 0.1's exchange, ``"direction"`` (local Adam's direction), so
+                              recorded runs keep their meaning
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
