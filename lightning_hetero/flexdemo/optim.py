@@ -17,11 +17,11 @@ Semantics (``g`` the local gradient after the strategy's clipping, ``eta`` the l
       mean gradient, the full-sync baseline (averaging is linear, so this equals averaging local momenta, but keeps
       ``delta`` identical on every replica).
 * :class:`DecoupledAdamW` (Adam moments are never sent)
-    - compressing replicators, ``exchange="direction"`` (default): local Adam on g,
+    - compressing replicators, ``exchange="direction"`` (0.1's behaviour): local Adam on g,
       ``d = m_hat / (sqrt(v_hat) + eps)``, ``e <- e + d``, ``u = R(e)`` with ``e <- e - sent`` (error feedback on the
       direction), ``theta <- theta (1 - eta lambda) - eta u`` (``sign=True``: ``sign(u)``). The moments are local:
       each node normalizes its own gradient before anything is combined;
-    - compressing replicators, ``exchange="preconditioned"``: local second moment only,
+    - compressing replicators, ``exchange="preconditioned"`` (default): local second moment only,
       ``p = g / (sqrt(v_hat) + eps)``, ``e <- e + p``, ``u = R(e)`` with ``e <- e - sent``,
       ``theta <- theta (1 - eta lambda) - eta u``. The error-feedback buffer plays the first moment (DeMo's decoupled
       momentum: what is not sent keeps accumulating), so Adam's ``beta1`` is not applied on top of it; ``"direction"``
