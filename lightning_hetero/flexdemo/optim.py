@@ -189,9 +189,9 @@ class DecoupledAdamW(ReplicatingOptimizer):
 
         Raises:
             ValueError: The checkpoint's ``exchange`` differs from this optimizer's (checkpoints without the key were
-                taken in ``"direction"`` mode).
+                taken in ``"direction"`` mode). Full and DiLoCo ignore ``exchange``, so they are not checked.
         """
-        if state_dict.get("state"):
+        if state_dict.get("state") and not self.replicator.exchanges_gradient:
             for index, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups, strict=False)):
                 saved_exchange = saved.get("exchange", "direction")
                 if saved_exchange != group["exchange"]:

@@ -172,6 +172,13 @@ def test_exchange_mode_must_match_on_resume() -> None:
     with pytest.raises(ValueError, match="exchange='direction'"):
         DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
     DecoupledAdamW([p], replicator="random", compression=0.5, exchange="direction").load_state_dict(state)
+    # Full ignores the exchange: a 0.1 Full checkpoint resumes under the new default.
+    full = DecoupledAdamW([p], replicator="full")
+    full.step()
+    old_full = copy.deepcopy(full.state_dict())
+    for group in old_full["param_groups"]:
+        del group["exchange"]
+    DecoupledAdamW([p], replicator="full").load_state_dict(old_full)
 
 
 def test_exchange_mode_is_checked() -> None:
