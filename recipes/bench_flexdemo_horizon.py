@@ -408,7 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--also",
         nargs="*",
         default=[],
-        help="more FlexDeMo runs, each at its own @lr (e.g. another exchange's sweep), tuned and ranked with the rest",
+        help="more runs, each at its own @lr (e.g. another exchange's sweep, or the baseline at another AdamW beta2:"
+        " ddp-b0.999@3e-3), ranked with the rest of their side",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the first one is the tuning seed")
     parser.add_argument("--steps", type=int, default=2000)
@@ -438,9 +439,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError(f"--knobs {knob!r}: knobs run at FlexDeMo's best rate; drop the @lr")
         for extra in args.also:
             variant = validate_variant(extra)
-            if variant.baseline or variant.learning_rate is None:
+            if variant.learning_rate is None:
+                raise ValueError(f"--also {extra!r}: give its learning rate, e.g. demo-1/32@1e-3 or ddp-b0.999@3e-3")
+            if variant.baseline and variant.strategy != BASELINE_OF[args.topology]:
                 raise ValueError(
-                    f"--also {extra!r}: name a FlexDeMo variant with its learning rate, e.g. demo-1/32@1e-3"
+                    f"--also {extra!r}: the {args.topology} baseline is {BASELINE_OF[args.topology]}, not "
+                    f"{variant.strategy}"
                 )
         per_rank_batch(args)
     except ValueError as error:
@@ -473,7 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     knobs = [f"{knob}@{best_lr:g}" for knob in args.knobs]
     for name in [*knobs, *args.also]:
         tuning[name] = quality_run(name, tuning_seed, args)
-    baseline, flexdemo = pick_best(tuning, baselines), pick_best(tuning, [*sweeps, *knobs, *args.also])
+    also_baselines = [name for name in args.also if parse_variant(name).baseline]
+    also_flexdemo = [name for name in args.also if name not in also_baselines]
+    baseline = pick_best(tuning, [*baselines, *also_baselines])
+    flexdemo = pick_best(tuning, [*sweeps, *knobs, *also_flexdemo])
     seeds = {
         name: [tuning[name]] + [quality_run(name, seed, args) for seed in args.seeds[1:]]
         for name in (baseline, flexdemo)

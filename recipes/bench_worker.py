@@ -174,6 +174,7 @@ def main() -> None:
         help="flexdemo: what a converted AdamW sends (FlexDeMoSettings.adamw_exchange)",
     )
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--beta2", type=float, default=None, help="AdamW's beta2, beta1 kept at 0.9 (default: the module's betas, (0.9, 0.95))")
     parser.add_argument("--lr-warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
     parser.add_argument("--seed", type=int, default=0, help="model initialization seed (the data order is fixed)")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
@@ -193,6 +194,8 @@ def main() -> None:
     L.seed_everything(args.seed, verbose=False)
     data = ShakespeareDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
     options = {"preset": args.preset, "warmup_steps": args.lr_warmup, "learning_rate": args.learning_rate}
+    if args.beta2 is not None:
+        options["betas"] = (0.9, args.beta2)  # the module's beta1
     variant: Variant | None = None
     if args.strategy == "single":
         module, strategy = CausalLMModule(**options), "auto"

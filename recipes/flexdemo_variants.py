@@ -3,7 +3,7 @@
 Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
 
     variant  := base ["@" LR]                       e.g. demo-1/32-sign-c128@3e-4
-    base     := "ddp" | "hsdp"                      stock Lightning baselines
+    base     := ("ddp" | "hsdp") ["-b" X]           stock Lightning baselines
               | REPLICATOR ("-" option)*            FlexDeMoStrategy with that replicator
     option   := "1/" N        fraction of coefficients kept (compression 1/N; diloco: default H = N)
               | VALUES        fp32, bf16, sign or ternary (the wire encoding of the kept values)
@@ -19,6 +19,9 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
                               (``FlexDeMoSettings.adamw_exchange="preconditioned"``, the strategy's default). Without
                               xgrad/xpre a variant runs 0.1's exchange, ``"direction"`` (local Adam's direction), so
                               recorded runs keep their meaning
+              | "b" X         AdamW's beta2 of the module (default 0.95), e.g. b0.999; the only option the stock
+                              baselines take (ddp-b0.999@3e-3), so both sides are tuned over it alike. Under xpre it
+                              is the decay of the second moment that preconditions what is exchanged
               | "h" N         DiLoCo local steps between syncs (diloco)
               | "olr" X       DiLoCo outer learning rate (diloco)
               | "om" X        DiLoCo outer Nesterov momentum (diloco)
@@ -46,7 +49,8 @@ VALUES = ("fp32", "bf16", "sign", "ternary")
 CHUNKED = ("demo", "topk")
 WITH_ERROR_FEEDBACK = ("demo", "topk", "random", "striding")
 GRAMMAR_HELP = (
-    "a variant is ddp, hsdp or <replicator>[-1/N][-<values>][-c<chunk>][-noef][-sgd|-xgrad|-xpre][-h<H>]"
+    "a variant is ddp[-b<beta2>], hsdp[-b<beta2>] or <replicator>[-1/N][-<values>][-c<chunk>][-noef]"
+    "[-sgd|-xgrad|-xpre][-b<beta2>][-h<H>]"
     "[-olr<x>][-om<x>][-demo1/N][@<lr>]"
     f" with replicator in {list(REPLICATORS)} and values in {list(VALUES)}; c: demo/topk (and diloco with demo1/N),"
     f" noef: {'/'.join(WITH_ERROR_FEEDBACK)} only, h/olr/om/demo1/N: diloco only (e.g. demo-1/32-sign-c128@3e-4,"
@@ -57,6 +61,7 @@ _EXCHANGE_TOKENS = {"xgrad": "gradient", "xpre": "preconditioned"}  # FlexDeMoSe
 _FRACTION = re.compile(r"1/(\d+)")
 _OUTER_FRACTION = re.compile(r"demo1/(\d+)")
 _INTEGER_OPTION = re.compile(r"(c|h)(\d+)")
+_BETA2 = re.compile(r"b(0?\.\d+)")
 _FLOAT_OPTION = re.compile(r"(olr|om)(\d*\.?\d+(?:e-?\d+)?)")
 
 
@@ -78,6 +83,7 @@ class Variant:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     outer_compression: float | None = None
+    beta2: float | None = None
 
     @property
     def speed_key(self) -> str:
@@ -145,6 +151,8 @@ class Variant:
                 args += ["--adamw-exchange", self.adamw_exchange]
         if self.learning_rate is not None:
             args += ["--learning-rate", str(self.learning_rate)]
+        if self.beta2 is not None:
+            args += ["--beta2", str(self.beta2)]
         return args
 
 
@@ -168,9 +176,13 @@ def parse_variant(name: str) -> Variant:
         )
     replicator, *tokens = base.split("-")
     if replicator in BASELINES:
-        if tokens:
-            raise ValueError(f"variant {name!r}: the stock baseline {replicator!r} takes no options, only '@<lr>'")
-        return Variant(name=name, strategy=replicator, learning_rate=learning_rate)
+        if len(tokens) > 1 or (tokens and not _BETA2.fullmatch(tokens[0])):
+            raise ValueError(
+                f"variant {name!r}: the stock baseline {replicator!r} takes only AdamW's beta2 (-b<beta2>, e.g."
+                f" {replicator}-b0.999) and '@<lr>'"
+            )
+        beta2 = _parse_beta2(name, tokens[0]) if tokens else None
+        return Variant(name=name, strategy=replicator, learning_rate=learning_rate, beta2=beta2)
     if replicator not in REPLICATORS:
         raise ValueError(f"variant {name!r}: unknown strategy or replicator {replicator!r}; {GRAMMAR_HELP}")
     fields: dict[str, Any] = {}
@@ -203,6 +215,8 @@ def parse_variant(name: str) -> Variant:
             else:
                 _only(name, token, replicator, ("diloco",), "H (local steps per sync)")
                 put("sync_every", number, token)
+        elif _BETA2.fullmatch(token):
+            put("beta2", _parse_beta2(name, token), token)
         elif match := _FLOAT_OPTION.fullmatch(token):
             _only(name, token, replicator, ("diloco",), "the outer learning rate / momentum")
             put("outer_lr" if match.group(1) == "olr" else "outer_momentum", float(match.group(2)), token)
@@ -228,6 +242,13 @@ def parse_variant(name: str) -> Variant:
         raise ValueError(f"variant {name!r}: 'full' sends everything; drop the fraction (use values to compress)")
     fields.setdefault("compression", 1 / 32)
     return Variant(name=name, strategy="flexdemo", learning_rate=learning_rate, replicator=replicator, **fields)
+
+
+def _parse_beta2(name: str, token: str) -> float:
+    beta2 = float(token[1:])
+    if not 0.0 < beta2 < 1.0:
+        raise ValueError(f"variant {name!r}: AdamW's beta2 {token!r} must lie in (0, 1), e.g. b0.999")
+    return beta2
 
 
 def _only(name: str, token: str, replicator: str, allowed: tuple[str, ...], what: str) -> None:
