@@ -36,7 +36,7 @@ def _speed(step_s: float, wire: float) -> dict:
         (["--knobs", "demo-1/16-sign@1e-3"], "drop the @lr"),
         (["--also", "demo-1/16-sign"], "give its learning rate"),
         (["--topology", "2x2", "--also", "ddp-b0.999@3e-3"], "baseline is hsdp"),
-        (["--also", "ddp@1e-3"], "name a FlexDeMo variant"),
+        (["--topology", "2x1", "--also", "hsdp@1e-3"], "baseline is ddp"),
         (["--flexdemo", "hsdp"], "stock baseline"),
         (["--knobs", "demo-1/7x"], "demo-1/7x"),
     ],

@@ -79,6 +79,12 @@ def test_sweep_dimensions_reach_the_worker():
     assert bench.worker_args("demo-1/32-sign-xgrad")[-2:] == ["--adamw-exchange", "gradient"]
     assert bench.worker_args("demo-1/32-sign-xpre")[-2:] == ["--adamw-exchange", "preconditioned"]
     assert not variants.parse_variant("demo-1/32-sign").periodic
+    # AdamW's beta2, the one option the stock baselines take too (tuned alike on both sides).
+    assert variants.parse_variant("ddp-b0.999@3e-3").worker_args() == [
+        "--strategy", "ddp", "--learning-rate", "0.003", "--beta2", "0.999",
+    ]  # fmt: skip
+    assert variants.parse_variant("demo-1/32-sign-xpre-b.99").worker_args()[-2:] == ["--beta2", "0.99"]
+    assert variants.parse_variant("hsdp").beta2 is None
 
 
 @pytest.mark.parametrize(
@@ -97,7 +103,11 @@ def test_sweep_dimensions_reach_the_worker():
         ("demo-1/32-1/16", "compression given twice"),
         ("diloco-h16-1/32", "give DiLoCo's period once"),
         ("full-1/32", "'full' sends everything"),
-        ("ddp-sign", "takes no options"),
+        ("ddp-sign", "takes only AdamW's beta2"),
+        ("hsdp-b0.999-b0.95", "takes only AdamW's beta2"),
+        ("ddp-b1.5", "takes only AdamW's beta2"),
+        ("demo-1/32-b0", "unknown option 'b0'"),
+        ("demo-1/32-b.999-b0.99", "beta2 given twice"),
         ("demo-sgd-xgrad", "xgrad/xpre set how AdamW is exchanged"),
         ("demo-1/32@fast", "must be a learning rate"),
         ("demo-1/32@-1e-3", "must be > 0"),
