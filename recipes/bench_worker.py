@@ -174,7 +174,9 @@ def main() -> None:
         help="flexdemo: what a converted AdamW sends (FlexDeMoSettings.adamw_exchange)",
     )
     parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--beta2", type=float, default=None, help="AdamW's beta2, beta1 kept at 0.9 (default: the module's betas, (0.9, 0.95))")
+    parser.add_argument(
+        "--beta2", type=float, default=None, help="AdamW's beta2 with beta1 0.9 (default: the module's (0.9, 0.95))"
+    )
     parser.add_argument("--lr-warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
     parser.add_argument("--seed", type=int, default=0, help="model initialization seed (the data order is fixed)")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
@@ -224,7 +226,13 @@ def main() -> None:
             module.replicator_factory = lambda: build_variant_replicator(variant)
         module.adamw_exchange = args.adamw_exchange
         strategy = FlexDeMoStrategy(
-            settings=FlexDeMoSettings(replication=variant.replication_settings(), adamw_exchange=args.adamw_exchange)
+            # preconditioner_beta2=None: the module's beta2 (--beta2, the variant's b token) is what runs, so a
+            # variant name means the same optimizer whatever the strategy's default.
+            settings=FlexDeMoSettings(
+                replication=variant.replication_settings(),
+                adamw_exchange=args.adamw_exchange,
+                preconditioner_beta2=None,
+            )
         )
     else:
         module = HSDPCausalLM(**options)

@@ -50,6 +50,7 @@ def convert_optimizer(
     owner: str = "FlexDeMoStrategy",
     *,
     adamw_exchange: str = "preconditioned",
+    preconditioner_beta2: float | None = None,
 ) -> tuple[ReplicatingOptimizer, str]:
     """A replicating optimizer with the same param groups and hyperparameters as ``optimizer``.
 
@@ -59,6 +60,9 @@ def convert_optimizer(
         owner: Name used in messages.
         adamw_exchange: ``exchange`` of a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"``,
             ``"preconditioned"`` or ``"gradient"``; see :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`).
+        preconditioner_beta2: With ``adamw_exchange="preconditioned"`` and a compressing replicator, the ``beta2``
+            of every converted param group (``beta1`` kept, unused in that mode); None keeps the optimizer's own.
+            Full and DiLoCo replication run the user's AdamW as it is and keep its ``beta2``.
 
     Returns:
         ``(optimizer, description)``; ``optimizer`` is the input itself when it already replicates.
@@ -79,6 +83,7 @@ def convert_optimizer(
         )
     groups = optimizer.param_groups
     _reject_options(optimizer, owner)
+    override = ""
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam in torch 2.13
         coupled = not groups[0].get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         if coupled and any(g["weight_decay"] for g in groups):
@@ -88,14 +93,24 @@ def convert_optimizer(
                 owner,
             )
         first = groups[0]
+        replicator = make_replicator()
+        clean = _clean_groups(groups)
+        preconditioned = adamw_exchange == "preconditioned" and not replicator.exchanges_gradient
+        if preconditioner_beta2 is not None and preconditioned:
+            old = sorted({float(group["betas"][1]) for group in clean})
+            for group in clean:
+                group["betas"] = (group["betas"][0], preconditioner_beta2)
+            if old != [preconditioner_beta2]:
+                shown = ", ".join(f"{beta:g}" for beta in old)
+                override = f"; beta2 {shown} -> {preconditioner_beta2:g} (preconditioner_beta2)"
         converted: ReplicatingOptimizer = DecoupledAdamW(
-            _clean_groups(groups),
+            clean,
             lr=_scalar(first["lr"]),
-            betas=tuple(first["betas"]),
+            betas=tuple(clean[0]["betas"]),
             eps=first["eps"],
             weight_decay=first["weight_decay"],
             exchange=adamw_exchange,
-            replicator=make_replicator(),
+            replicator=replicator,
         )
     else:
         first = groups[0]
@@ -110,7 +125,7 @@ def convert_optimizer(
             replicator=make_replicator(),
             **({"momentum": first["momentum"]} if first.get("momentum") else {}),
         )
-    description = f"{name} converted to {type(converted).__name__} ({len(groups)} param group(s))"
+    description = f"{name} converted to {type(converted).__name__} ({len(groups)} param group(s)){override}"
     log.info("%s: %s.", owner, description)
     return converted, description
 

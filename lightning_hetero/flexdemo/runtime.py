@@ -223,7 +223,11 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.optimizer is not None:
             raise ValueError(f"{self.owner} supports exactly one optimizer (FlexDeMo replicates one update).")
         converted, self.conversion = convert_optimizer(
-            optimizer, self.make_replicator, self.owner, adamw_exchange=self.settings.adamw_exchange
+            optimizer,
+            self.make_replicator,
+            self.owner,
+            adamw_exchange=self.settings.adamw_exchange,
+            preconditioner_beta2=self.settings.preconditioner_beta2,
         )
         converted.replicator.set_bad_payload_policy(self.settings.on_bad_payload)  # also a user-built replicator
         self.overlap_active = self.settings.overlap if overlap is None else bool(overlap)

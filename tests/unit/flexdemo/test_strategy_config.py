@@ -184,6 +184,33 @@ def test_adamw_becomes_decoupled_adamw_with_the_same_groups_and_scheduler():
     assert [g["lr"] for g in converted.param_groups] == [5e-3, 2.5e-3]
 
 
+@pytest.mark.parametrize(
+    ("replicator", "exchange", "beta2", "expected"),
+    [
+        ("demo", "preconditioned", 0.999, 0.999),  # the strategy's default: the long second-moment window
+        ("demo", "preconditioned", None, 0.95),  # None keeps the user's
+        ("demo", "direction", 0.999, 0.95),  # only the preconditioned exchange is overridden
+        ("demo", "gradient", 0.999, 0.95),
+        ("full", "preconditioned", 0.999, 0.95),  # Full runs the user's AdamW exactly
+        ("diloco", "preconditioned", 0.999, 0.95),
+    ],
+)
+def test_preconditioner_beta2_replaces_beta2_only_for_the_preconditioned_exchange(
+    replicator, exchange, beta2, expected
+):
+    weight, bias = _params()
+    adamw = torch.optim.AdamW(
+        [{"params": [weight]}, {"params": [bias], "betas": (0.8, 0.9)}], lr=1e-2, betas=(0.9, 0.95)
+    )
+    converted, description = convert_optimizer(
+        adamw, lambda: build_replicator(replicator), adamw_exchange=exchange, preconditioner_beta2=beta2
+    )
+    overridden = expected != 0.95
+    assert converted.param_groups[0]["betas"] == (0.9, expected)
+    assert converted.param_groups[1]["betas"] == (0.8, expected if overridden else 0.9)  # beta1 always kept
+    assert ("beta2 0.9, 0.95 -> 0.999 (preconditioner_beta2)" in description) == overridden, description
+
+
 def test_sgd_becomes_demo_sgd_and_keeps_momentum():
     sgd = torch.optim.SGD(_params(), lr=0.1, momentum=0.9, weight_decay=0.01)
     converted, _ = convert_optimizer(sgd, lambda: build_replicator("demo"))
@@ -232,22 +259,22 @@ def test_single_process_runtime_trains_and_warns_about_blocks_and_one_copy():
     assert metrics["comm/encode_seconds"] > 0 and metrics["comm/decode_seconds"] > 0  # the DCT codec ran
 
 
-def _one_copy_setup(runtime: FlexDeMoRuntime) -> tuple[list[str], str]:
-    """Set up a small model alone (one model copy); the warnings raised and the converted optimizer's replicator."""
+def _one_copy_setup(runtime: FlexDeMoRuntime) -> tuple[list[str], torch.optim.Optimizer]:
+    """Set up a small model alone (one model copy); the warnings raised and the converted optimizer."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runtime.setup_module(model, torch.device("cpu"))
-    optimizer = runtime.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    return [str(w.message) for w in caught], optimizer.replicator.name
+    optimizer = runtime.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95)))
+    return [str(w.message) for w in caught], optimizer
 
 
 @pytest.mark.parametrize("cls", STRATEGIES)
 def test_one_copy_without_a_chosen_replicator_does_not_compress(cls):
     """Bare ``strategy: flexdemo`` on one node: nothing crosses nodes, so the default is the dense ``"full"``."""
     strategy = cls()
-    messages, replicator = _one_copy_setup(strategy.runtime)
-    assert replicator == "full"
+    messages, optimizer = _one_copy_setup(strategy.runtime)
+    assert optimizer.replicator.name == "full"
     assert not any("single model copy" in message for message in messages), messages
     assert (
         "replicator='full'" in strategy.runtime.replicator_note and "no compression" in strategy.runtime.replicator_note
@@ -265,10 +292,11 @@ def test_one_copy_without_a_chosen_replicator_does_not_compress(cls):
 )
 def test_one_copy_keeps_an_explicit_compressing_choice_and_warns(kwargs):
     runtime = FlexDeMoRuntime(FlexDeMoSettings(replication=ReplicationSettings(**kwargs)))
-    messages, replicator = _one_copy_setup(runtime)
-    assert replicator == kwargs.get("kind", "demo")
+    messages, optimizer = _one_copy_setup(runtime)
+    assert optimizer.replicator.name == kwargs.get("kind", "demo")
     assert any("single model copy" in message for message in messages), messages
     assert runtime.replicator_note == ""
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)  # settings.preconditioner_beta2
 
 
 def _default_replicator_worker(rank: int, world_size: int) -> dict[str, str]:
