@@ -23,7 +23,7 @@ PACKAGE = "lightning_hetero"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 METHOD_PACKAGES = ("flexdemo", "layerwise", "lowbit", "matformer", "subspace")
 """One algorithm each; never import one another."""
-SHARED_FLOORS = ("comm", "core", "ft", "hf", "pipeline", "reliability", "replication")
+SHARED_FLOORS = ("comm", "core", "ft", "hetero", "hf", "pipeline", "reliability", "replication")
 """Pieces that several methods use; import no method package."""
 FRAMEWORK_FREE = (*METHOD_PACKAGES, *SHARED_FLOORS)
 """Framework-free: torch (and transformers where a model family needs it), never Lightning."""

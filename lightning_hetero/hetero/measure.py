@@ -1,0 +1,192 @@
+"""What one rank can measure about itself: its memory limit, its peak memory, the wall time of a call.
+
+Framework-free (torch only). Used at fit start by the measured heterogeneity features (MatFormer ``tiers: auto``,
+batch shares) to probe each rank before the first step.
+
+Memory on CUDA is the *allocator's* view: ``memory_limit_bytes`` is the device's total memory and
+``peak_memory_bytes`` is ``torch.cuda.max_memory_reserved`` (what the caching allocator held at its peak, which is
+what an out-of-memory error is measured against; ``max_memory_allocated`` is lower by the cache's slack). On CPU it
+is the process's view on Linux: the limit of the memory cgroup this process is in, and the resident-set high-water
+mark (``VmHWM``) of ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``. Where the high-water
+mark cannot be reset (no permission, not Linux), the peak falls back to the current resident set size, which still
+bounds what the process holds now.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["memory_limit_bytes", "peak_memory_bytes", "reset_peak_memory", "time_call"]
+
+UNLIMITED = 2**60
+"""A cgroup limit at or above this is the kernel's "no limit" (v1 writes 2**63 rounded down to a page)."""
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC = Path("/proc/self")
+
+
+def memory_limit_bytes(device: torch.device) -> int | None:
+    """The memory this rank may use on ``device``.
+
+    Args:
+        device: The rank's compute device.
+
+    Returns:
+        On CUDA, the device's total memory. On CPU, the limit of this process's memory cgroup (v2 ``memory.max``,
+        or v1 ``memory.limit_in_bytes``), found through ``/proc/self/cgroup``. None when there is no limit
+        (unlimited, ``max``, or at least 2**60) or it cannot be read.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return None
+    return _cgroup_limit(_PROC / "cgroup", _CGROUP_ROOT)
+
+
+def _cgroup_limit(proc_cgroup: Path, root: Path) -> int | None:
+    """The memory limit of the cgroup named in ``proc_cgroup`` under the cgroup mount ``root`` (v2, then v1)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        relative = path.lstrip("/")
+        if controllers == "":  # cgroup v2 (unified)
+            for base in (root, root / "unified"):
+                candidates += [base / relative / "memory.max", base / "memory.max"]
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = root / "memory"
+            # Inside a container the mount's root is often the process's own cgroup: try both.
+            candidates += [base / relative / "memory.limit_in_bytes", base / "memory.limit_in_bytes"]
+    for candidate in candidates:
+        limit = _read_limit(candidate)
+        if limit is not _MISSING:
+            return limit  # type: ignore[return-value]
+    return None
+
+
+_MISSING = object()
+
+
+def _read_limit(path: Path) -> int | None | object:
+    """The limit in ``path``: an int, None for "unlimited", ``_MISSING`` when the file is absent or unreadable."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return _MISSING
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return _MISSING
+    return None if value >= UNLIMITED else value
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window on ``device`` (see ``peak_memory_bytes``).
+
+    Args:
+        device: The rank's compute device.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        (_PROC / "clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux, or no permission: peak_memory_bytes falls back to the current resident set
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The peak memory since the last ``reset_peak_memory`` on ``device``.
+
+    Args:
+        device: The rank's compute device.
+
+    Returns:
+        On CUDA, ``torch.cuda.max_memory_reserved`` (the caching allocator's peak). On CPU, the process's
+        resident-set high-water mark (``VmHWM``), or its current resident set (``VmRSS``) where the high-water mark
+        is unavailable; 0 when neither can be read.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    status = _proc_status()
+    for key in ("VmHWM", "VmRSS"):
+        if key in status:
+            return status[key]
+    return _rss_from_resource()
+
+
+def _proc_status() -> dict[str, int]:
+    """The ``kB`` fields of ``/proc/self/status``, in bytes."""
+    found: dict[str, int] = {}
+    try:
+        text = (_PROC / "status").read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if len(fields) == 2 and fields[1] == "kB" and fields[0].isdigit():
+            found[key] = int(fields[0]) * 1024
+    return found
+
+
+def _rss_from_resource() -> int:
+    """The process's maximum resident set size from ``getrusage`` (not resettable); 0 where unavailable."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) * (1 if os.uname().sysname == "Darwin" else 1024)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, *, repeats: int = 3, warmup: int = 1) -> float:
+    """The median wall time of ``fn()`` in seconds.
+
+    Args:
+        fn: The call to time (e.g. one training step on a probe batch).
+        device: The device ``fn`` runs on; on CUDA the device is synchronized before and after each call so that
+            the time covers the kernels, not just their launch.
+        repeats: Timed calls (at least 1); the median is returned.
+        warmup: Untimed calls first (allocator warm-up, lazy initialization, autotuning).
+
+    Returns:
+        The median of ``repeats`` wall times, in seconds.
+
+    Raises:
+        ValueError: If ``repeats`` < 1 or ``warmup`` < 0.
+    """
+    if repeats < 1:
+        raise ValueError(f"time_call: repeats={repeats} must be >= 1")
+    if warmup < 0:
+        raise ValueError(f"time_call: warmup={warmup} must be >= 0")
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if sync is not None:
+            sync(device)
+        start = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync(device)
+        times.append(time.perf_counter() - start)
+    return float(statistics.median(times))
