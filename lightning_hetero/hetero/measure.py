@@ -50,48 +50,43 @@ def memory_limit_bytes(device: torch.device) -> int | None:
 
 
 def _cgroup_limit(proc_cgroup: Path, root: Path) -> int | None:
-    """The memory limit of the cgroup named in ``proc_cgroup`` under the cgroup mount ``root`` (v2, then v1)."""
+    """The memory limit of the cgroup named in ``proc_cgroup`` under the cgroup mount ``root``.
+
+    A cgroup is bounded by every ancestor too, so the smallest limit found along its path (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) counts. Inside a container the mount's root is often the process's own cgroup while
+    ``/proc/self/cgroup`` names the host's path: the paths that do not exist are skipped and the mount root counts.
+    """
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
-    candidates: list[Path] = []
+    files: list[Path] = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        relative = path.lstrip("/")
         if controllers == "":  # cgroup v2 (unified)
-            for base in (root, root / "unified"):
-                candidates += [base / relative / "memory.max", base / "memory.max"]
+            bases, name = [root, root / "unified"], "memory.max"
         elif "memory" in controllers.split(","):  # cgroup v1
-            base = root / "memory"
-            # Inside a container the mount's root is often the process's own cgroup: try both.
-            candidates += [base / relative / "memory.limit_in_bytes", base / "memory.limit_in_bytes"]
-    for candidate in candidates:
-        limit = _read_limit(candidate)
-        if limit is not _MISSING:
-            return limit  # type: ignore[return-value]
-    return None
+            bases, name = [root / "memory"], "memory.limit_in_bytes"
+        else:
+            continue
+        segments = [s for s in path.split("/") if s]
+        for base in bases:
+            files += [base.joinpath(*segments[:depth]) / name for depth in range(len(segments), -1, -1)]
+    limits = [limit for limit in (_read_limit(f) for f in files) if isinstance(limit, int)]
+    return min(limits) if limits else None
 
 
-_MISSING = object()
-
-
-def _read_limit(path: Path) -> int | None | object:
-    """The limit in ``path``: an int, None for "unlimited", ``_MISSING`` when the file is absent or unreadable."""
+def _read_limit(path: Path) -> int | None:
+    """The finite limit in ``path``; None when the file is absent, unreadable, or says "unlimited"."""
     try:
         text = path.read_text().strip()
-    except OSError:
-        return _MISSING
-    if text == "max":
-        return None
-    try:
         value = int(text)
-    except ValueError:
-        return _MISSING
-    return None if value >= UNLIMITED else value
+    except (OSError, ValueError):  # absent, or "max" (v2's "unlimited")
+        return None
+    return None if value >= UNLIMITED or value <= 0 else value
 
 
 def reset_peak_memory(device: torch.device) -> None:
