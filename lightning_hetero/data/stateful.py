@@ -161,6 +161,14 @@ class StatefulDataLoader(DataLoader):
     def _replicas(self) -> int:
         return int(getattr(self.sampler, "num_replicas", 1))
 
+    def _unit(self) -> tuple[int, int]:
+        """``(batch size, replicas)`` that a position counts in; a batch sampler with a ``global_batch`` (a batch
+        share's :class:`~lightning_hetero.hetero.batch_share.ShareBatchSampler`) counts whole global batches."""
+        global_batch = getattr(self.batch_sampler, "global_batch", None)
+        if self.batch_size is None and isinstance(global_batch, int):
+            return global_batch, 1
+        return int(self.batch_size or 1), self._replicas()
+
     def state_dict(self) -> dict[str, int]:
         """Position of the loader: the epoch in progress and how many of its batches were handed out.
 
@@ -177,8 +185,8 @@ class StatefulDataLoader(DataLoader):
             "version": STATE_VERSION,
             "epoch": epoch,
             "batches_yielded": yielded,
-            "batch_size": int(self.batch_size or 1),
-            "num_replicas": self._replicas(),
+            "batch_size": self._unit()[0],
+            "num_replicas": self._unit()[1],
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
@@ -197,9 +205,9 @@ class StatefulDataLoader(DataLoader):
                 "`StatefulDataLoader.state_dict()` returned."
             )
         epoch, yielded = int(state_dict["epoch"]), int(state_dict["batches_yielded"])
-        saved_batch = int(state_dict.get("batch_size", self.batch_size or 1))
-        saved_replicas = int(state_dict.get("num_replicas", self._replicas()))
-        batch, replicas = int(self.batch_size or 1), self._replicas()
+        batch, replicas = self._unit()
+        saved_batch = int(state_dict.get("batch_size", batch))
+        saved_replicas = int(state_dict.get("num_replicas", replicas))
         if (saved_batch, saved_replicas) != (batch, replicas):
             samples = yielded * saved_batch * saved_replicas
             yielded, remainder = divmod(samples, batch * replicas)

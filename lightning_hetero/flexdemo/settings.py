@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from lightning_hetero.core.settings import check_choice, check_int
 from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.hetero.batch_share import check_batch_share
 from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["DEFAULT_SETTINGS", "FlexDeMoSettings"]
@@ -68,6 +69,14 @@ class FlexDeMoSettings:
             (:class:`~lightning_hetero.ft.FaultToleranceSettings`: lighthouse, ``min_replicas``, timeouts, replica
             id). Each replica group is its own launch of one rank (``devices=1``, ``num_nodes=1``). None (default):
             the restart-based path, unchanged.
+        batch_share: Trainer only: each rank's micro-batch in proportion to its speed (``docs/batch_share.md``).
+            None (default): every rank takes the loader's ``batch_size``. ``"auto"``: every rank times a few
+            forward and backward passes at fit start and the shares follow the measured samples per second. A list:
+            one share per rank or per node (relative speeds, e.g. ``[0.75, 0.25]``). The global batch stays ``world
+            size x batch_size`` (``batch_size`` is the mean micro-batch); the ranks of one model copy get one size;
+            each local gradient is scaled by ``world size x its samples / global batch`` before it enters the
+            momentum, so with ``replication.kind="full"`` a step equals the mean gradient over the global batch.
+            Not with ``fault_tolerance``.
     """
 
     RENAMED: ClassVar[dict[str, str]] = {
@@ -95,6 +104,7 @@ class FlexDeMoSettings:
     adamw_exchange: Literal["direction", "preconditioned", "gradient"] = "preconditioned"
     preconditioner_beta2: float | None = 0.999
     fault_tolerance: FaultToleranceSettings | None = None
+    batch_share: Literal["auto"] | list[float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, ReplicationSettings):
@@ -130,6 +140,12 @@ class FlexDeMoSettings:
             raise ValueError(
                 f"{_OWNER}.fault_tolerance={self.fault_tolerance!r}: use a FaultToleranceSettings(...) (YAML: a mapping"
                 " such as {lighthouse: 'http://head:29510', min_replicas: 2}), or None for the restart-based path."
+            )
+        object.__setattr__(self, "batch_share", check_batch_share(_OWNER, self.batch_share))
+        if self.batch_share is not None and self.fault_tolerance is not None:
+            raise ValueError(
+                f"{_OWNER}.batch_share={self.batch_share!r} with fault_tolerance: replica groups come and go, so no"
+                " rank knows the others' micro-batches; set batch_share=None or drop fault_tolerance."
             )
 
 

@@ -102,6 +102,7 @@ def aggregate_gradients(
     ledger: ByteLedger | None = None,
     exchange: GradientExchange | None = None,
     on_bad_payload: str = "raise",
+    rank_scale: Sequence[float] | None = None,
 ) -> None:
     """Replace this rank's gradients in place by their per-region aggregate over the ranks that trained them.
 
@@ -129,6 +130,9 @@ def aggregate_gradients(
             :class:`~lightning_hetero.comm.validation.PeerPayloadError` on every member, or ``"drop"`` it (those
             coordinates get a zero gradient this step on every member; logged). ``demo`` buckets follow the
             exchange's own policy.
+        rank_scale: One factor > 0 per rank that multiplies its weight (times its tier weight), e.g. its micro-batch
+            size under a batch share: a region's mean is then ``sum n_r g_r / sum n_r`` over the ranks that hold it,
+            the token-weighted mean (:mod:`lightning_hetero.hetero.batch_share`). None: factor 1.
 
     Raises:
         ValueError: Missing, non-floating or wrongly sized gradients, layout mismatches, bad weights or helpers;
@@ -148,7 +152,7 @@ def aggregate_gradients(
         raise ValueError("aggregate_gradients needs step= (the optimizer step) when helpers are active.")
     step = 0 if step is None else step
     label = groups.label if label is None else label
-    buckets = _plan(grads, ffn_params, groups, mode, tier_weights, step)
+    buckets = _plan(grads, ffn_params, groups, mode, tier_weights, step, rank_scale)
     sign = mode == "sign"
     pending = []
     for (members, dtype), pieces in sorted(
@@ -228,6 +232,7 @@ def _plan(
     mode: str,
     tier_weights: TierWeights | None,
     step: int,
+    rank_scale: Sequence[float] | None = None,
 ) -> dict[tuple[tuple[int, ...], torch.dtype], list[_Piece]]:
     """This rank's pieces per ``(member ranks, wire dtype)`` bucket, in an order every member shares."""
     layout, helpers, rank = groups.layout, groups.helpers, groups.rank
@@ -243,7 +248,7 @@ def _plan(
     missing = sorted(set(names) - set(grads))
     if missing:
         raise ValueError(f"grads lacks FFN parameters {missing}; pass zeros for parameters without a gradient.")
-    weighted = tier_weights is not None
+    weighted = tier_weights is not None or rank_scale is not None
     buckets: dict[tuple[tuple[int, ...], torch.dtype], list[_Piece]] = {}
 
     def add(members: tuple[int, ...], piece: _Piece) -> None:
@@ -251,7 +256,7 @@ def _plan(
         buckets.setdefault(key, []).append(piece)
 
     everyone = tuple(range(layout.world_size))
-    other_weights = rank_weights(layout, tier_weights)
+    other_weights = rank_weights(layout, tier_weights, rank_scale=rank_scale)
     for name in sorted(set(grads) - set(names)):
         add(everyone, _Piece(grads[name], None, 0, 0, other_weights[rank], sum(other_weights)))
     denominators: dict[int, torch.Tensor] = {}
@@ -275,14 +280,19 @@ def _plan(
                 f" neurons): pass that local size or the full size {full}."
             )
         full_layout = size == full
-        weights = rank_weights(layout, tier_weights, param.layer)
+        weights = rank_weights(layout, tier_weights, param.layer, rank_scale=rank_scale)
         for region in groups.regions(param.layer):
             if rank not in region.members:
                 continue
             if region.helpers:  # per-neuron contributor weights differ inside the region
                 if param.layer not in denominators:
                     denominators[param.layer] = contributor_weights(
-                        layout, param.layer, tier_weights=tier_weights, helpers=helpers, step=step
+                        layout,
+                        param.layer,
+                        tier_weights=tier_weights,
+                        helpers=helpers,
+                        step=step,
+                        rank_scale=rank_scale,
                     )
                 denominator: float | torch.Tensor = denominators[param.layer][region.start : region.stop]
             else:

@@ -90,6 +90,9 @@ class MatFormerRuntime(StrategyRuntime):
         self.step_fn: Callable[[], int] = _step_zero  # module-level: the runtime must pickle for spawn
         self._mask_handles: list[RemovableHandle] = []
         self._masks: dict[tuple[int, bool, int], Tensor] = {}
+        self.rank_scale: list[float] | None = None
+        """Batch share: every rank's micro-batch size, which multiplies its weight in each region's mean (the
+        token-weighted mean, :mod:`lightning_hetero.hetero.batch_share`); None: every rank counts the same."""
 
     # ------------------------------------------------------------------------------------------------ world
     def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
@@ -286,6 +289,7 @@ class MatFormerRuntime(StrategyRuntime):
             step=step,
             exchange=self.exchange,
             on_bad_payload=self.settings.on_bad_payload,
+            rank_scale=self.rank_scale,
         )
         if self.exchange is not None:
             self.exchange.check_loaded_state_used()

@@ -59,18 +59,26 @@ _INT8_MAX_VOTERS = 127  # an int8 sum of n votes in {-1, 0, 1} cannot overflow w
 
 
 # ---------------------------------------------------------------------------------------------------- weights
-def rank_weights(layout: TierLayout, tier_weights: TierWeights | None, layer: int | None = None) -> tuple[float, ...]:
+def rank_weights(
+    layout: TierLayout,
+    tier_weights: TierWeights | None,
+    layer: int | None = None,
+    *,
+    rank_scale: Sequence[float] | None = None,
+) -> tuple[float, ...]:
     """Weight of every rank's contribution in FFN ``layer``, or for non-FFN parameters when ``layer`` is None.
 
     A rank's tier is ``layout.tier(rank, layer)``; for non-FFN parameters it is the rank's lowest tier over all
-    layers (its widest FFN). Without ``tier_weights`` every weight is 1.
+    layers (its widest FFN). Without ``tier_weights`` every tier weight is 1. ``rank_scale`` (one factor per rank,
+    e.g. its micro-batch size under a batch share) multiplies each rank's weight.
 
     Raises:
-        ValueError: A width that is no power-of-two fraction of ``h``, a tier missing from ``tier_weights``, or a
-            weight that is not finite and > 0.
+        ValueError: A width that is no power-of-two fraction of ``h``, a tier missing from ``tier_weights``, a
+            weight that is not finite and > 0, or a ``rank_scale`` that is not one such number per rank.
     """
+    scale = _check_rank_scale(rank_scale, layout.world_size)
     if tier_weights is None:
-        return (1.0,) * layout.world_size
+        return scale
     out = []
     for rank in range(layout.world_size):
         layers = layout.columns() if layer is None else [layer]
@@ -87,8 +95,17 @@ def rank_weights(layout: TierLayout, tier_weights: TierWeights | None, layer: in
             raise ValueError(f"tier_weights has no weight for tier {tier} (rank {rank}); add one.") from None
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"tier_weights[{tier}] must be finite and > 0, got {weight}.")
-        out.append(weight)
+        out.append(weight * scale[rank])
     return tuple(out)
+
+
+def _check_rank_scale(rank_scale: Sequence[float] | None, world_size: int) -> tuple[float, ...]:
+    if rank_scale is None:
+        return (1.0,) * world_size
+    values = tuple(float(v) for v in rank_scale)
+    if len(values) != world_size or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"rank_scale={list(rank_scale)}: give one finite factor > 0 per rank ({world_size}), or None.")
+    return values
 
 
 def contributor_weights(
@@ -98,12 +115,14 @@ def contributor_weights(
     tier_weights: TierWeights | None = None,
     helpers: Mapping[int, HelperConfig] | None = None,
     step: int = 0,
+    rank_scale: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Per neuron of ``layer``, the summed weight of the ranks that trained it at ``step`` (float64, length ``h``).
 
-    This is the denominator of the weighted per-neuron mean; without ``tier_weights`` it is the contributor count.
+    This is the denominator of the weighted per-neuron mean; without ``tier_weights`` and ``rank_scale`` it is the
+    contributor count.
     """
-    weights = rank_weights(layout, tier_weights, layer)
+    weights = rank_weights(layout, tier_weights, layer, rank_scale=rank_scale)
     totals = torch.zeros(layout.full_size_at(layer), dtype=torch.float64)
     for rank in range(layout.world_size):
         totals[: layout.width(rank, layer)] += weights[rank]
