@@ -15,7 +15,21 @@ Needs root and iproute2; :func:`check_environment` refuses otherwise with one li
 """
 
 from lightning_hetero.testbed.bed import RunResult, Testbed, TestbedInterrupted
-from lightning_hetero.testbed.checks import TestbedConfigError, check_environment, parse_latency, parse_rate
+from lightning_hetero.testbed.cgroups import (
+    CgroupUsage,
+    NodeLimits,
+    cleanup_leftover_cgroups,
+    list_testbed_cgroups,
+)
+from lightning_hetero.testbed.checks import (
+    TestbedConfigError,
+    check_environment,
+    parse_latency,
+    parse_memory_size,
+    parse_node_cpu,
+    parse_node_memory,
+    parse_rate,
+)
 from lightning_hetero.testbed.launch import LAUNCH_MODES, node_environment, rank_environment, worst_exit_code
 from lightning_hetero.testbed.netns import (
     InterfaceCounters,
@@ -30,7 +44,9 @@ from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 __all__ = [
     "LAUNCH_MODES",
     "REPORT_SCHEMA",
+    "CgroupUsage",
     "InterfaceCounters",
+    "NodeLimits",
     "RunResult",
     "TbfParameters",
     "Testbed",
@@ -39,11 +55,16 @@ __all__ = [
     "TestbedInterrupted",
     "build_report",
     "check_environment",
+    "cleanup_leftover_cgroups",
     "cleanup_leftovers",
+    "list_testbed_cgroups",
     "list_testbed_namespaces",
     "netem_available",
     "node_environment",
     "parse_latency",
+    "parse_memory_size",
+    "parse_node_cpu",
+    "parse_node_memory",
     "parse_rate",
     "rank_environment",
     "tbf_parameters",

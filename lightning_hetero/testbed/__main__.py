@@ -1,7 +1,9 @@
 """``python -m lightning_hetero.testbed``: run a command on N simulated nodes joined by shaped links.
 
     python -m lightning_hetero.testbed --nodes 2 --ranks-per-node 1 --bandwidth 100mbit -- python train.py
+    python -m lightning_hetero.testbed --nodes 2 --node-cpu 1.0,0.5 --node-memory 6G,1.5G -- python train.py
     python -m lightning_hetero.testbed --selftest
+    python -m lightning_hetero.testbed --selftest-cgroups
     python -m lightning_hetero.testbed --cleanup
 
 Exit codes: the command's worst exit code; 124 on --timeout; 128+N on signal N (130 Ctrl-C, 143 SIGTERM); 2 for
@@ -15,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from lightning_hetero.testbed.bed import Testbed, TestbedInterrupted
+from lightning_hetero.testbed.cgroups import cleanup_leftover_cgroups
 from lightning_hetero.testbed.checks import TestbedConfigError, check_environment
 from lightning_hetero.testbed.launch import LAUNCH_MODES
 from lightning_hetero.testbed.netns import TestbedError, cleanup_leftovers
@@ -35,11 +38,15 @@ def _refuse(message: str) -> NoReturn:
     sys.exit(USAGE_EXIT_CODE)
 
 
+def _say(line: str) -> None:
+    print(f"[testbed] {line}", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The option parser (the command itself follows ``--`` and is split off before parsing)."""
     parser = _OneLineParser(
         prog=PROG,
-        usage=f"{PROG} [options] -- COMMAND [ARG ...]  |  {PROG} --selftest  |  {PROG} --cleanup",
+        usage=f"{PROG} [options] -- COMMAND [ARG ...]  |  {PROG} --selftest[-cgroups]  |  {PROG} --cleanup",
         description="Run COMMAND on simulated nodes (Linux network namespaces) joined by rate-limited veth links, "
         "then write a JSON report of each node's wire bytes next to the byte ledger. Needs root, ip and tc.",
     )
@@ -63,12 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds the other processes get after one fails, before they are stopped (default 5)",
     )
+    parser.add_argument(
+        "--node-cpu",
+        default=None,
+        help="CPU quota of each node in cores, comma-separated (1.0,0.5), or one value for all; 'none' or an empty "
+        "entry: unlimited (needs the cgroup cpu controller)",
+    )
+    parser.add_argument(
+        "--node-memory",
+        default=None,
+        help="memory limit of each node, comma-separated (6G,1.5Gi), or one value for all; K/M/G/T are powers of "
+        "1000, Ki/Mi/Gi/Ti of 1024; 'none' or an empty entry: unlimited (needs the cgroup memory controller)",
+    )
     parser.add_argument("--report", default=None, help="report JSON path (default <run dir>/report.json)")
     parser.add_argument("--run-dir", default=None, help="folder for ledger dumps and the report (default: a temp dir)")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--selftest", action="store_true", help="check measured TCP rate at 50mbit and 200mbit")
     modes.add_argument(
-        "--cleanup", action="store_true", help="remove lhtb-* namespaces left by killed runs (live runs are kept)"
+        "--selftest-cgroups",
+        action="store_true",
+        help="check node cgroups: CPU work rates follow the quotas 1.0 and 0.5, a node past its memory limit is "
+        "OOM-killed, nothing is left behind",
+    )
+    modes.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove lhtb-* namespaces and cgroups left by killed runs (live runs are kept)",
     )
     return parser
 
@@ -81,9 +108,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     else:
         options, command = argv, []
     args = build_parser().parse_args(options)
-    if args.selftest or args.cleanup:
+    mode = "selftest" if args.selftest else "selftest-cgroups" if args.selftest_cgroups else "cleanup"
+    if args.selftest or args.selftest_cgroups or args.cleanup:
         if command:
-            _refuse(f"--{'selftest' if args.selftest else 'cleanup'} takes no command; drop everything after '--'.")
+            _refuse(f"--{mode} takes no command; drop everything after '--'.")
     elif not command:
         _refuse("no command given; put it after '--', e.g. --nodes 2 --bandwidth 100mbit -- python train.py")
     if args.timeout is not None and args.timeout <= 0:
@@ -99,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cleanup:
             check_environment()
-            removed = cleanup_leftovers(log=lambda line: print(f"[testbed] {line}", flush=True))
+            removed = cleanup_leftover_cgroups(log=_say)  # first: a cgroup removal also ends its processes
+            removed += cleanup_leftovers(log=_say)
             if not removed:
                 print("[testbed] nothing to clean up", flush=True)
             return 0
@@ -108,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
             check_environment()
             return 0 if run_selftest()["passed"] else 1
+        if args.selftest_cgroups:
+            from lightning_hetero.testbed.cgroup_selftest import run_cgroup_selftest
+
+            check_environment(cgroup_controllers=("cpu", "memory"))
+            return 0 if run_cgroup_selftest()["passed"] else 1
         bed = Testbed(
             nodes=args.nodes,
             ranks_per_node=args.ranks_per_node,
@@ -115,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             latency=args.latency,
             run_dir=args.run_dir,
             master_port=args.master_port,
+            node_cpu=args.node_cpu,
+            node_memory=args.node_memory,
         )
         with bed:
             result = bed.run(

@@ -16,10 +16,21 @@ from types import FrameType
 from typing import Any, TextIO
 
 from lightning_hetero.comm.dump import load_ledger_dumps
+from lightning_hetero.testbed.cgroups import (
+    CgroupUsage,
+    NodeLimits,
+    RunCgroups,
+    create_node_cgroups,
+    join_command,
+    select_layout,
+)
 from lightning_hetero.testbed.checks import (
+    PerNode,
     TestbedConfigError,
     check_environment,
     parse_latency,
+    parse_node_cpu,
+    parse_node_memory,
     parse_rate,
     validate_layout,
 )
@@ -32,7 +43,7 @@ from lightning_hetero.testbed.netns import (
     read_counters,
     teardown,
 )
-from lightning_hetero.testbed.report import build_report, write_report
+from lightning_hetero.testbed.report import build_report, node_resources, write_report
 from lightning_hetero.testbed.shaping import TbfParameters, tbf_parameters
 
 __all__ = ["RunResult", "Testbed", "TestbedInterrupted"]
@@ -91,6 +102,10 @@ class Testbed:
         latency: One-way delay added on every node's uplink (``"20ms"``), needs the netem qdisc; None for none.
         run_dir: Folder for ledger dumps and the default report (default: a fresh ``/tmp/lhtb-run-*``).
         master_port: ``MASTER_PORT`` on node 0 (namespaces have their own ports, so 29500 never clashes).
+        node_cpu: Each node's CPU quota in cores (``[1.0, 0.5]``, ``"1.0,0.5"``, or one value for all; None or
+            ``"none"`` for an unlimited node), enforced by a per-node cgroup.
+        node_memory: Each node's memory limit (``["6G", "1.5Gi"]``, bytes as int, or one value for all; None or
+            ``"none"`` for unlimited); past it the kernel OOM-kills inside the node.
         log: Where the testbed's own ``[testbed]`` lines go (default: stderr).
 
     Raises:
@@ -108,9 +123,17 @@ class Testbed:
         *,
         run_dir: str | os.PathLike[str] | None = None,
         master_port: int = 29500,
+        node_cpu: PerNode | Sequence[PerNode] = None,
+        node_memory: PerNode | Sequence[PerNode] = None,
         log: TextIO | None = None,
     ) -> None:
         validate_layout(nodes, ranks_per_node, master_port)
+        self.node_cpu = parse_node_cpu(node_cpu, nodes)
+        self.node_memory = parse_node_memory(node_memory, nodes)
+        self._cgroup_controllers = [
+            name for name, limits in (("cpu", self.node_cpu), ("memory", self.node_memory)) if limits is not None
+        ]
+        self._cgroups: RunCgroups | None = None
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
         self.bandwidth = None if bandwidth is None else str(bandwidth)
@@ -127,7 +150,7 @@ class Testbed:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def __enter__(self) -> Testbed:
-        check_environment(need_netem=self.latency_seconds is not None)
+        check_environment(need_netem=self.latency_seconds is not None, cgroup_controllers=self._cgroup_controllers)
         self._install_signal_handlers()
         pending: list[int] = []
         try:
@@ -136,6 +159,7 @@ class Testbed:
             self._run_dir.mkdir(parents=True, exist_ok=True)
             with _deferred_signals(pending):  # a half-built topology is removed by create_topology itself
                 self._topology = create_topology(self.nodes, self.tbf, self.latency_seconds)
+                self._create_cgroups()
         except BaseException:
             self._restore_signal_handlers()
             raise
@@ -150,21 +174,45 @@ class Testbed:
             + (f", +{self.latency} one-way delay" if self.latency else "")
             + f"; run dir {self._run_dir}"
         )
+        if self._cgroups is not None:
+            self._log(f"node cgroups (v{self._cgroups.layout.version}): {_limits_text(self.node_limits)}")
         return self
+
+    def _create_cgroups(self) -> None:
+        """The nodes' cgroups, after the namespaces (whose state file marks the run id as live for --cleanup)."""
+        if not self._cgroup_controllers:
+            return
+        try:
+            layout = select_layout(self._cgroup_controllers)
+            self._cgroups = create_node_cgroups(self.run_id, self.node_limits, layout)
+        except BaseException:
+            assert self._topology is not None
+            teardown(self._topology)
+            self._topology = None
+            raise
+
+    @property
+    def node_limits(self) -> list[NodeLimits]:
+        """Each node's CPU quota and memory limit (None fields: unlimited)."""
+        cpu = self.node_cpu or [None] * self.nodes
+        memory = self.node_memory or [None] * self.nodes
+        return [NodeLimits(quota, limit) for quota, limit in zip(cpu, memory, strict=True)]
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
-        """Delete every namespace of this testbed (signals are deferred meanwhile); idempotent."""
+        """Delete every cgroup and namespace of this testbed (signals are deferred meanwhile); idempotent."""
         if self._topology is None:
             self._restore_signal_handlers()
             return
         pending: list[int] = []
         with _deferred_signals(pending):
+            groups = self._cgroups.remove() if self._cgroups is not None else []  # kills what is left inside
+            self._cgroups = None
             removed = teardown(self._topology)
             self._topology = None
-        self._log(f"removed {len(removed)} namespace(s)")
+        self._log(f"removed {len(removed)} namespace(s)" + (f" and {len(groups)} cgroup(s)" if groups else ""))
         self._restore_signal_handlers()
         if pending and threading.current_thread() is threading.main_thread():
             raise TestbedInterrupted(pending[0])
@@ -200,9 +248,17 @@ class Testbed:
         """Current byte/packet counters of every node's ``eth0``, indexed by node."""
         return [read_counters(namespace, NODE_INTERFACE) for namespace in self.topology.node_namespaces]
 
+    @property
+    def cgroups(self) -> RunCgroups | None:
+        """The nodes' cgroups (None without ``node_cpu``/``node_memory``); only inside the ``with`` block."""
+        return self._cgroups
+
     def popen(self, node: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside node ``node``'s namespace (no testbed environment); teardown kills it if alive."""
-        return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv], **popen_kwargs)
+        """Start ``argv`` inside node ``node``'s namespace and cgroup (no testbed environment); teardown kills it."""
+        procs = self._cgroups.procs_files(node) if self._cgroups is not None else []
+        return subprocess.Popen(
+            join_command(procs, ["ip", "netns", "exec", self.namespace(node), *argv]), **popen_kwargs
+        )
 
     # -- running -----------------------------------------------------------------------------------------------
     def run(
@@ -254,7 +310,12 @@ class Testbed:
             run_id=topology.run_id,
             base_env=os.environ if env is None else env,
             cpu_count=_usable_cpus(),
+            node_cpu=self.node_cpu,
+            node_cgroup_procs=[self._cgroups.procs_files(node) for node in range(self.nodes)]
+            if self._cgroups
+            else None,
         )
+        usage_before = self._cgroup_usage(reset_peaks=True)
         before = self.counters()
         outcome = run_processes(
             specs,
@@ -264,6 +325,7 @@ class Testbed:
             log=self._log,
         )
         after = self.counters()
+        usage_after = self._cgroup_usage()
         report = build_report(
             run_id=topology.run_id,
             config=self._config(command, launch, timeout),
@@ -277,10 +339,35 @@ class Testbed:
             elapsed_seconds=outcome.elapsed_seconds,
             run_dir=str(self.run_dir),
             ledger_dir=str(ledger_dir),
+            resources=self._resources(usage_before, usage_after),
         )
         path = write_report(report, report_path or self.run_dir / f"report{suffix}.json")
         self._log(_summary(report, path))
         return RunResult(exit_code=outcome.exit_code, report=report, report_path=path)
+
+    def _cgroup_usage(self, *, reset_peaks: bool = False) -> list[CgroupUsage] | None:
+        if self._cgroups is None:
+            return None
+        if reset_peaks:
+            for group in self._cgroups.groups:
+                group.reset_peak()
+        return self._cgroups.usage()
+
+    def _resources(self, before: list[CgroupUsage] | None, after: list[CgroupUsage] | None) -> list[dict[str, Any]]:
+        entries = []
+        for node, limits in enumerate(self.node_limits):
+            entry = node_resources(cpu_quota=limits.cpu_quota, memory_limit_bytes=limits.memory_limit_bytes)
+            if self._cgroups is not None and before is not None and after is not None:
+                group = self._cgroups.groups[node]
+                entry = node_resources(
+                    cpu_quota=limits.cpu_quota,
+                    memory_limit_bytes=limits.memory_limit_bytes,
+                    cgroup_version=group.version,
+                    cgroup_name=group.name,
+                    usage=after[node].since(before[node]).to_dict(),
+                )
+            entries.append(entry)
+        return entries
 
     def _config(self, command: Sequence[str], launch: str, timeout: float | None) -> dict[str, Any]:
         return {
@@ -297,6 +384,9 @@ class Testbed:
             "master_port": self.master_port,
             "timeout": timeout,
             "interface": NODE_INTERFACE,
+            "node_cpu": self.node_cpu,
+            "node_memory": self.node_memory,
+            "cgroup_version": self._cgroups.layout.version if self._cgroups is not None else None,
         }
 
     # -- signals and logging -----------------------------------------------------------------------------------
@@ -335,6 +425,15 @@ def _deferred_signals(pending: list[int]) -> Iterator[None]:
             signal.signal(signo, handler)
 
 
+def _limits_text(limits: Sequence[NodeLimits]) -> str:
+    parts = []
+    for node, limit in enumerate(limits):
+        cpu = "unlimited cpu" if limit.cpu_quota is None else f"{limit.cpu_quota:g} cpu"
+        memory = "unlimited memory" if limit.memory_limit_bytes is None else f"{limit.memory_limit_bytes} B memory"
+        parts.append(f"n{node} {cpu}, {memory}")
+    return "; ".join(parts)
+
+
 def _summary(report: Mapping[str, Any], path: Path) -> str:
     parts = []
     for node in report["nodes"]:
@@ -342,5 +441,10 @@ def _summary(report: Mapping[str, Any], path: Path) -> str:
         text = f"n{node['node']} wire tx {wire['tx_bytes']} B rx {wire['rx_bytes']} B"
         if ratio and ratio["tx_over_sent"] is not None:
             text += f" (x{ratio['tx_over_sent']:.3f} of ledger sent)"
+        cgroup = node.get("cgroup")
+        if cgroup and cgroup.get("cpu_seconds") is not None:
+            text += f", cpu {cgroup['cpu_seconds']:.1f} s"
+        if cgroup and cgroup.get("oom_kills"):
+            text += f", {cgroup['oom_kills']} OOM kill(s)"
         parts.append(text)
     return f"exit code {report['exit_code']} after {report['elapsed_seconds']:.1f} s; {'; '.join(parts)}; report {path}"

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from lightning_hetero.comm.dump import LEDGER_DIR_ENV
+from lightning_hetero.testbed.cgroups import join_command, omp_threads_for_quota
 from lightning_hetero.testbed.netns import NODE_INTERFACE
 
 __all__ = [
@@ -88,6 +89,7 @@ def node_environment(
     master_port: int,
     ledger_dir: str,
     cpu_count: int,
+    cpu_quota: float | None = None,
 ) -> dict[str, str]:
     """The environment of one node's process in ``per-node`` mode (for torchrun); see :func:`rank_environment`."""
     env = _inherited(base_env)
@@ -105,7 +107,12 @@ def node_environment(
         }
     )
     # All "nodes" share this machine's cores: one intra-op pool per rank sized to its share avoids oversubscription.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_count // (nodes * ranks_per_node))))
+    # A node with a CPU quota has its own share: more threads than its cores would only queue on the throttle.
+    if cpu_quota is not None:
+        threads = omp_threads_for_quota(cpu_quota, ranks_per_node)
+    else:
+        threads = max(1, cpu_count // (nodes * ranks_per_node))
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     return env
 
 
@@ -121,6 +128,7 @@ def rank_environment(
     ledger_dir: str,
     run_id: str,
     cpu_count: int,
+    cpu_quota: float | None = None,
 ) -> dict[str, str]:
     """The environment of one rank in ``per-rank`` mode.
 
@@ -135,12 +143,15 @@ def rank_environment(
         ledger_dir: Where ``lightning_hetero.comm`` dumps the ledger at exit.
         run_id: The testbed run id (becomes ``TORCHELASTIC_RUN_ID=lhtb-<id>``).
         cpu_count: CPUs available to the whole testbed (sets the default ``OMP_NUM_THREADS``).
+        cpu_quota: The node's CPU quota in cores (``--node-cpu``); when set, the default ``OMP_NUM_THREADS`` is
+            ``ceil(cpu_quota / ranks_per_node)``, at least 1, instead of this machine's share.
 
     Returns:
         A new dict: ``base_env`` minus launcher variables, plus the topology variables.
     """
     # The node's environment minus torchrun's NPROC_PER_NODE (here the testbed starts every rank itself).
     run_wide = dict(master_addr=master_addr, master_port=master_port, ledger_dir=ledger_dir, cpu_count=cpu_count)
+    run_wide["cpu_quota"] = cpu_quota
     env = node_environment(base_env, nodes=nodes, ranks_per_node=ranks_per_node, node_rank=node_rank, **run_wide)
     del env["NPROC_PER_NODE"]
     env.update(
@@ -168,11 +179,17 @@ class ProcessSpec:
     namespace: str
     command: tuple[str, ...]
     env: Mapping[str, str]
+    #: ``cgroup.procs`` files of the node's cgroup (``--node-cpu``/``--node-memory``); empty: no cgroup.
+    cgroup_procs: tuple[str, ...] = ()
 
     @property
     def argv(self) -> list[str]:
-        """The full argv: the command run through ``ip netns exec`` (which execs it, so the pid is the command's)."""
-        return ["ip", "netns", "exec", self.namespace, *self.command]
+        """The full argv: the command run through ``ip netns exec`` (which execs it, so the pid is the command's).
+
+        With a node cgroup, a shell wrapper joins it first and then execs ``ip netns exec``: the pid stays the
+        command's, and the command starts inside its node's limits.
+        """
+        return join_command(self.cgroup_procs, ["ip", "netns", "exec", self.namespace, *self.command])
 
 
 def build_process_specs(
@@ -187,8 +204,14 @@ def build_process_specs(
     run_id: str,
     base_env: Mapping[str, str],
     cpu_count: int,
+    node_cpu: Sequence[float | None] | None = None,
+    node_cgroup_procs: Sequence[Sequence[str]] | None = None,
 ) -> list[ProcessSpec]:
-    """Every process of one run, ordered by node then local rank."""
+    """Every process of one run, ordered by node then local rank.
+
+    ``node_cpu`` (each node's CPU quota, sets ``OMP_NUM_THREADS``) and ``node_cgroup_procs`` (each node's
+    ``cgroup.procs`` files) are per node; None means no cgroups.
+    """
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}.")
     nodes = len(namespaces)
@@ -196,14 +219,18 @@ def build_process_specs(
     topology |= {"master_port": master_port, "ledger_dir": ledger_dir, "cpu_count": cpu_count}
     specs = []
     for node, namespace in enumerate(namespaces):
+        quota = node_cpu[node] if node_cpu is not None else None
+        procs = tuple(node_cgroup_procs[node]) if node_cgroup_procs is not None else ()
         if launch == "per-node":
-            env = node_environment(base_env, node_rank=node, **topology)
-            specs.append(ProcessSpec(f"n{node}", node, None, None, namespace, tuple(command), env))
+            env = node_environment(base_env, node_rank=node, cpu_quota=quota, **topology)
+            specs.append(ProcessSpec(f"n{node}", node, None, None, namespace, tuple(command), env, procs))
             continue
         for local in range(ranks_per_node):
-            env = rank_environment(base_env, node_rank=node, local_rank=local, run_id=run_id, **topology)
+            env = rank_environment(
+                base_env, node_rank=node, local_rank=local, run_id=run_id, cpu_quota=quota, **topology
+            )
             rank = node * ranks_per_node + local
-            specs.append(ProcessSpec(f"n{node}r{rank}", node, rank, local, namespace, tuple(command), env))
+            specs.append(ProcessSpec(f"n{node}r{rank}", node, rank, local, namespace, tuple(command), env, procs))
     return specs
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "netem_available",
     "new_run_id",
     "read_counters",
+    "run_owner_pid",
     "teardown",
 ]
 
@@ -153,6 +154,11 @@ def _owner_alive(run_id: str) -> int | None:
         return None
     ticks = _process_start_ticks(pid)
     return pid if ticks is not None and ticks == state.get("owner_start_ticks") else None
+
+
+def run_owner_pid(run_id: str) -> int | None:
+    """The pid of the live testbed that owns run ``run_id``, or None when it is gone (other resources use this too)."""
+    return _owner_alive(run_id)
 
 
 def _disable_ipv6(namespace: str) -> None:

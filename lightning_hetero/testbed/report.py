@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_hetero.testbed.netns import InterfaceCounters
 
-__all__ = ["REPORT_SCHEMA", "build_report", "node_ledger", "write_report"]
+__all__ = ["REPORT_SCHEMA", "build_report", "node_ledger", "node_resources", "write_report"]
 
 REPORT_SCHEMA = "lightning-hetero-testbed-report/1"
 _FIELDS = ("sent", "received", "calls")
@@ -74,6 +74,31 @@ def _ratio(wire: int, ledger: int) -> float | None:
     return wire / ledger if ledger > 0 else None
 
 
+def node_resources(
+    *,
+    cpu_quota: float | None,
+    memory_limit_bytes: int | None,
+    cgroup_version: int | None = None,
+    cgroup_name: str | None = None,
+    usage: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One node's compute and memory entry of the report (``--node-cpu``/``--node-memory``).
+
+    Args:
+        cpu_quota: Cores of CPU time the node may use (None: unlimited).
+        memory_limit_bytes: The node's memory limit (None: unlimited).
+        cgroup_version: 1 or 2; None when the node had no cgroup.
+        cgroup_name: The group's name (``lhtb-<id>-n<k>``).
+        usage: What the group counted during the run (:class:`~lightning_hetero.testbed.cgroups.CgroupUsage`
+            fields: ``cpu_seconds``, ``memory_peak_bytes``, ``oom_kills`` ...).
+
+    Returns:
+        ``{"cpu_quota", "memory_limit_bytes", "cgroup": None | {"version", "name", **usage}}``.
+    """
+    cgroup = None if cgroup_version is None else {"version": cgroup_version, "name": cgroup_name, **(usage or {})}
+    return {"cpu_quota": cpu_quota, "memory_limit_bytes": memory_limit_bytes, "cgroup": cgroup}
+
+
 def build_report(
     *,
     run_id: str,
@@ -88,8 +113,12 @@ def build_report(
     elapsed_seconds: float,
     run_dir: str,
     ledger_dir: str,
+    resources: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON report of one run (schema in ``docs/testbed.md``)."""
+    """The JSON report of one run (schema in ``docs/testbed.md``).
+
+    ``resources`` holds each node's :func:`node_resources` entry; without it every node is reported unlimited.
+    """
     ranks_per_node = int(config["ranks_per_node"])
     nodes = []
     for node, address in enumerate(node_addresses):
@@ -107,6 +136,11 @@ def build_report(
                     None
                     if tx_ratio is None and rx_ratio is None
                     else {"tx_over_sent": tx_ratio, "rx_over_received": rx_ratio}
+                ),
+                **(
+                    dict(resources[node])
+                    if resources is not None
+                    else node_resources(cpu_quota=None, memory_limit_bytes=None)
                 ),
             }
         )
