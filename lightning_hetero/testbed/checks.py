@@ -48,7 +48,7 @@ _LATENCY_UNITS = {
 }
 
 
-_MEMORY_PATTERN = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[a-z]*)\s*$")
+_MEMORY_PATTERN = re.compile(r"^\s*(?P<number>-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[a-z]*)\s*$")
 #: Decimal K/M/G/T (1000^n) and binary Ki/Mi/Gi/Ti (1024^n), case-insensitive, with an optional trailing "b".
 _MEMORY_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _MEMORY_UNITS |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
