@@ -1,0 +1,115 @@
+"""Node cgroups for real: the self-test (CPU quota ratio, OOM kill, nothing left), inheritance, SIGKILL and --cleanup.
+
+Skipped (with the reason) unless running as root with iproute2, network namespaces and the cgroup ``cpu`` and
+``memory`` controllers. Each test checks that the groups and namespaces it created are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_hetero.testbed import Testbed, list_testbed_cgroups, list_testbed_namespaces
+from lightning_hetero.testbed.checks import TestbedConfigError, check_environment
+from tests.testbed_support import require_testbed
+
+CLI = [sys.executable, "-m", "lightning_hetero.testbed"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_cgroups():
+    require_testbed(probe_namespaces=True)
+    try:
+        check_environment(cgroup_controllers=("cpu", "memory"))
+    except TestbedConfigError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture
+def own_groups():
+    """Yields a function listing the lhtb- groups created since the test began; asserts none remain at the end."""
+    before = set(list_testbed_cgroups())
+    yield lambda: sorted(set(list_testbed_cgroups()) - before)
+    leftovers = sorted(set(list_testbed_cgroups()) - before)
+    assert not leftovers, f"the test left cgroups behind: {leftovers}"
+
+
+@pytest.mark.timeout(90)
+def test_selftest_cgroups_passes(own_groups):
+    completed = subprocess.run([*CLI, "--selftest-cgroups"], capture_output=True, text=True, timeout=80)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    for verdict in ("PASS cpu:", "PASS memory:", "PASS leftovers: none"):
+        assert verdict in completed.stdout, completed.stdout
+    assert own_groups() == []
+
+
+@pytest.mark.timeout(60)
+def test_children_inherit_the_node_group_and_limits(tmp_path, own_groups):
+    output = io.StringIO()
+    command = ["sh", "-c", 'sh -c "grep lhtb- /proc/self/cgroup"; echo omp=$OMP_NUM_THREADS']
+    with Testbed(nodes=2, node_cpu=[1.5, 0.5], node_memory=["none", "256Mi"], run_dir=tmp_path, log=output) as bed:
+        assert sorted({group.name for group in own_groups()}) == [f"lhtb-{bed.run_id}-n0", f"lhtb-{bed.run_id}-n1"]
+        result = bed.run(command, output=output, timeout=30)
+        run_id = bed.run_id
+    text = output.getvalue()
+    assert result.exit_code == 0, text
+    for node in (0, 1):  # the grandchild (sh -> sh -> grep) is in its node's group, in every hierarchy
+        lines = [line for line in text.splitlines() if line.startswith(f"[n{node}r{node}] ") and "lhtb-" in line]
+        assert lines and all(line.endswith(f"/lhtb-{run_id}-n{node}") for line in lines), text
+    assert "[n0r0] omp=2" in text and "[n1r1] omp=1" in text
+    nodes = result.report["nodes"]
+    assert [node["cpu_quota"] for node in nodes] == [1.5, 0.5]
+    assert [node["memory_limit_bytes"] for node in nodes] == [None, 256 * 2**20]
+    assert all(node["cgroup"]["oom_kills"] == 0 and node["cgroup"]["cpu_seconds"] is not None for node in nodes)
+    assert result.report["config"]["cgroup_version"] in (1, 2)
+    assert own_groups() == [] and not [n for n in list_testbed_namespaces() if n.startswith(f"lhtb-{run_id}-")]
+
+
+def _group_members(groups) -> list[int]:
+    pids = set()
+    for group in groups:
+        try:
+            pids.update(int(token) for token in (group / "cgroup.procs").read_text().split())
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_run_leaves_groups_that_cleanup_removes(tmp_path, own_groups):
+    testbed = subprocess.Popen(
+        [*CLI, "--nodes", "2", "--node-cpu", "0.5", "--node-memory", "256Mi", "--run-dir", str(tmp_path)]
+        + ["--", "sleep", "300"],  # a placeholder workload that outlives its testbed
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = own_groups()
+            if len(mine) >= 4 and len(_group_members(mine)) >= 2:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the testbed never started its ranks in their groups; groups: {own_groups()}")
+    finally:
+        testbed.send_signal(signal.SIGKILL)
+        testbed.wait()
+    leftovers = own_groups()
+    orphans = _group_members(leftovers)
+    assert leftovers and len(orphans) >= 2  # SIGKILL gives no chance to clean up; the ranks outlived the testbed
+    cleaned = subprocess.run([*CLI, "--cleanup"], capture_output=True, text=True, timeout=40)
+    assert cleaned.returncode == 0, cleaned.stderr
+    for group in leftovers:
+        assert f"removed cgroup {group}" in cleaned.stdout
+    assert own_groups() == []
+    for pid in orphans:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+    run_id = leftovers[0].name.split("-")[1]
+    assert not [name for name in list_testbed_namespaces() if name.startswith(f"lhtb-{run_id}-")]
