@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 from lightning_hetero.core.settings import check_choice, check_int
+from lightning_hetero.hetero.batch_share import check_batch_share
 from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["DEFAULT_SETTINGS", "AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
@@ -62,6 +63,13 @@ class MatFormerSettings:
         on_bad_payload: What a corrupt peer payload (NaN/Inf in an all-reduced bucket, an out-of-block DCT index)
             does: ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it and log
             (see ``docs/reliability.md``). A different model schema always raises, at setup.
+        batch_share: Trainer only: each rank's micro-batch in proportion to its speed (``docs/batch_share.md``).
+            None (default): every rank takes the loader's ``batch_size``. ``"auto"``: every rank times a few
+            forward and backward passes at fit start and the shares follow the measured samples per second. A list:
+            one share per rank or per node (relative speeds, e.g. ``[0.75, 0.25]``). The global batch stays ``world
+            size x batch_size``; each rank's contribution to a region's mean is weighted by its micro-batch (times
+            its ``tier_weights`` entry), so with ``mode="mean"`` and one tier a step equals the mean gradient over
+            the global batch.
     """
 
     RENAMED: ClassVar[dict[str, str]] = {
@@ -91,6 +99,7 @@ class MatFormerSettings:
     replication: ReplicationSettings | None = None
     log_tier_losses: bool = False
     on_bad_payload: Literal["raise", "drop"] = "raise"
+    batch_share: Literal["auto"] | list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.tiers is not None and self.widths is not None:
@@ -116,6 +125,7 @@ class MatFormerSettings:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{_OWNER}.{name}={getattr(self, name)!r}: use true or false.")
         check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
+        object.__setattr__(self, "batch_share", check_batch_share(_OWNER, self.batch_share))
 
     # ------------------------------------------------------------------------------------------------ derived
     @property

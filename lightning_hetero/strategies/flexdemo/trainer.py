@@ -48,6 +48,8 @@ from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
+from lightning_hetero.hetero.batch_share import gradient_scale
+from lightning_hetero.strategies.batch_share import TrainerBatchShare
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["FlexDeMoStrategy"]
@@ -77,6 +79,9 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         super().__init__(settings, **kwargs)
         self._position: _TrainerPosition | None = None
         """Fault-tolerant mode: the Trainer position handed to and taken from peers (from ``setup_optimizers``)."""
+        self._batch_share = TrainerBatchShare(type(self).__name__)
+        self._loss_scale = 1.0
+        """``settings.batch_share``: ``world size x this rank's micro-batch / global batch`` (1.0 without)."""
 
     # ------------------------------------------------------------------------------------------------ public
 
@@ -171,7 +176,29 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         clip = getattr(trainer, "gradient_clip_val", None)
         return bool(clip) or (module is not None and is_overridden("configure_gradient_clipping", module))
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """``settings.batch_share``: the train loader's micro-batches by speed (``docs/batch_share.md``); every rank
+        of one model copy gets one size. Other loaders, and runs without a share, are left as they are."""
+        dataloader = super().process_dataloader(dataloader)
+        share = self.settings.batch_share
+        if share is None or not self._batch_share.applies(self):
+            return dataloader
+        group = self.runtime.topology.shard_size
+        loader = self._batch_share.train_loader(self, dataloader, share, group_size=group)
+        assert self._batch_share.sizes is not None
+        self._loss_scale = gradient_scale(self._batch_share.sizes, self.global_rank)
+        return loader
+
     # ------------------------------------------------------------------------------------------------ training
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Under a batch share, scale the loss so that the gradient entering the momentum is this rank's share of
+        the token-weighted mean (the exchange's plain mean over ranks then gives that mean exactly)."""
+        if self._loss_scale != 1.0:
+            closure_loss = closure_loss * self._loss_scale
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         pass  # no DDP reducer to prepare

@@ -32,6 +32,7 @@ from lightning_hetero import comm
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
+from lightning_hetero.strategies.batch_share import TrainerBatchShare
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
@@ -57,6 +58,7 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
+        self._batch_share = TrainerBatchShare(type(self).__name__)
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -91,6 +93,19 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
                 )
             # Ranks hold different coordinates, so a local norm differs per rank; clip with the full model's norm.
             self._use_runtime_clipping()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """``settings.batch_share``: the train loader's micro-batches by speed, and every rank's micro-batch as its
+        weight in each region's mean (``docs/batch_share.md``). Other loaders are left as they are."""
+        dataloader = super().process_dataloader(dataloader)
+        share = self.settings.batch_share
+        if share is None or not self._batch_share.applies(self):
+            return dataloader
+        loader = self._batch_share.train_loader(self, dataloader, share)
+        assert self._batch_share.sizes is not None
+        self.runtime.rank_scale = [float(size) for size in self._batch_share.sizes]
+        return loader
 
     # ------------------------------------------------------------------------------------------------ training
     @override
