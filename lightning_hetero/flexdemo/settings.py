@@ -104,7 +104,7 @@ class FlexDeMoSettings:
     adamw_exchange: Literal["direction", "preconditioned", "gradient"] = "preconditioned"
     preconditioner_beta2: float | None = 0.999
     fault_tolerance: FaultToleranceSettings | None = None
-    batch_share: Literal["auto"] | list[float] | None = None
+    batch_share: Literal["auto"] | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, ReplicationSettings):

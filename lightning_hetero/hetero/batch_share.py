@@ -45,7 +45,7 @@ __all__ = [
 AUTO = "auto"
 """``batch_share="auto"``: every rank measures its own throughput at fit start."""
 
-BatchShare = Literal["auto"] | list[float] | None
+BatchShare = Literal["auto"] | tuple[float, ...] | None
 """The ``batch_share`` setting: None (every rank the loader's ``batch_size``), ``"auto"`` (measured), or one share
 per rank or per node (any positive numbers; only their ratios count)."""
 
@@ -178,7 +178,7 @@ def gradient_scale(sizes: Sequence[int], rank: int) -> float:
 
 
 def check_batch_share(owner: str, value: Any) -> BatchShare:
-    """Validate a ``batch_share`` setting; returns it normalised (a list of floats, ``"auto"`` or None).
+    """Validate a ``batch_share`` setting; returns it normalised (a tuple of floats, ``"auto"`` or None).
 
     Raises:
         ValueError: Anything else, naming ``<owner>.batch_share`` and the accepted values.
@@ -191,7 +191,7 @@ def check_batch_share(owner: str, value: Any) -> BatchShare:
             "per node, e.g. [0.75, 0.25]), or None."
         )
     try:
-        return _check_positive_numbers("batch_share", value)
+        return tuple(_check_positive_numbers("batch_share", value))
     except ValueError as error:
         raise ValueError(f"{owner}.{error} Shares are relative speeds, e.g. [0.75, 0.25] or [3, 1].") from None
 

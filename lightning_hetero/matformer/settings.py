@@ -99,7 +99,7 @@ class MatFormerSettings:
     replication: ReplicationSettings | None = None
     log_tier_losses: bool = False
     on_bad_payload: Literal["raise", "drop"] = "raise"
-    batch_share: Literal["auto"] | list[float] | None = None
+    batch_share: Literal["auto"] | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tiers is not None and self.widths is not None:

@@ -321,6 +321,13 @@ class FabricStrategyBase(_RuntimeLifecycle[SettingsT], FabricDDPStrategy):
         **renamed: Any,
     ) -> None:
         self._attach_runtime(settings, renamed)
+        share = getattr(self.runtime.settings, "batch_share", None)  # type: ignore[attr-defined]
+        if share is not None:
+            raise ValueError(
+                f"{self.runtime.owner}(settings.batch_share={share!r}): batch shares are Trainer-only for now (the "
+                "strategy rebuilds the Trainer's train loader). With Fabric, set batch_share=None and build each "
+                "rank's loader with lightning_hetero.hetero.batch_share.ShareBatchSampler (docs/batch_share.md)."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
