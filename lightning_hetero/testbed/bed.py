@@ -354,19 +354,17 @@ class Testbed:
         return self._cgroups.usage()
 
     def _resources(self, before: list[CgroupUsage] | None, after: list[CgroupUsage] | None) -> list[dict[str, Any]]:
+        """Each node's limits for the report, with what its cgroup counted during the run."""
         entries = []
         for node, limits in enumerate(self.node_limits):
-            entry = node_resources(cpu_quota=limits.cpu_quota, memory_limit_bytes=limits.memory_limit_bytes)
+            cgroup: dict[str, Any] = {}
             if self._cgroups is not None and before is not None and after is not None:
                 group = self._cgroups.groups[node]
-                entry = node_resources(
-                    cpu_quota=limits.cpu_quota,
-                    memory_limit_bytes=limits.memory_limit_bytes,
-                    cgroup_version=group.version,
-                    cgroup_name=group.name,
-                    usage=after[node].since(before[node]).to_dict(),
-                )
-            entries.append(entry)
+                usage = after[node].since(before[node]).to_dict()
+                cgroup = {"cgroup_version": group.version, "cgroup_name": group.name, "usage": usage}
+            entries.append(
+                node_resources(cpu_quota=limits.cpu_quota, memory_limit_bytes=limits.memory_limit_bytes, **cgroup)
+            )
         return entries
 
     def _config(self, command: Sequence[str], launch: str, timeout: float | None) -> dict[str, Any]:
