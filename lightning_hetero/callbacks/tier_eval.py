@@ -110,6 +110,7 @@ class TierEvaluation(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolve_tiers(trainer)  # again: with tiers: auto the strategy chose them in between (at its setup)
         if not is_tiered(trainer) or trainer.global_rank == 0:
             self._check(trainer, pl_module)
         self._probe(trainer, pl_module)

@@ -67,6 +67,7 @@ class TierExport(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolve_tiers(trainer)  # again: with tiers: auto the strategy chose them in between (at its setup)
         if not trainer.is_global_zero:
             return
         model = find_hf_model(pl_module, "TierExport")

@@ -1,7 +1,8 @@
 """Where ``TierEvaluation`` and ``TierExport`` get their tiers when not given: the run's, so a YAML writes them once.
 
-The tiers a run trains are ``MatFormerStrategy``'s ``settings.tiers``, or, under any other strategy, a
-``MatFormerSampler``'s (it sits among the callbacks).
+The tiers a run trains are ``MatFormerStrategy``'s ``settings.tiers`` (with ``tiers: auto``, the tiers it chose at
+setup, and before that its candidate tiers), or, under any other strategy, a ``MatFormerSampler``'s (it sits among the
+callbacks).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> lis
             (another strategy without a sampler, or a MatFormer strategy with ``widths`` or per-FFN tiers).
     """
     settings = getattr(trainer.strategy, "settings", None)
+    if isinstance(settings, MatFormerSettings) and settings.auto:
+        return _auto_tiers(owner, given, settings, getattr(trainer.strategy, "tiers", None))
     if isinstance(settings, MatFormerSettings):
         trained = settings.uniform_tiers
         if trained is None:
@@ -56,3 +59,25 @@ def callback_tiers(owner: str, given: list[int] | None, trainer: Trainer) -> lis
         f"settings.tiers would be read) and no MatFormerSampler trains tiers here; pass {owner}(tiers=[0, 1, 2, 3]) "
         "(tier t keeps h >> t FFN units)."
     )
+
+
+def _auto_tiers(owner: str, given: list[int] | None, settings: MatFormerSettings, chosen: list | None) -> list[int]:
+    """``tiers: auto``: before setup chose, ``given`` or every candidate tier (rank 0 holds the full model, so it runs
+    any of them); after, ``given`` (which must include every chosen tier) or the chosen tiers."""
+    if chosen is None:
+        return list(given) if given is not None else list(settings.auto_settings.candidates)
+    if any(not isinstance(entry, int) for entry in chosen):
+        if given is not None:
+            return list(given)
+        raise ValueError(
+            f"{owner}: MatFormerSettings.tiers='auto' chose per-FFN tiers {chosen} (auto_tiers.mix_layers), which name "
+            f"no single tier to evaluate or export; pass {owner}(tiers=[...]), e.g. tiers=[0, 1]."
+        )
+    trained = sorted(set(chosen))
+    missing = [tier for tier in trained if given is not None and tier not in given]
+    if missing:
+        raise ValueError(
+            f"{owner}(tiers={given}) leaves out tier(s) {missing}, which MatFormerSettings.tiers='auto' chose "
+            f"({chosen}); leave {owner}'s tiers out to use the chosen ones, or include every candidate tier."
+        )
+    return list(given) if given is not None else trained

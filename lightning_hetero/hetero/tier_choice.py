@@ -139,12 +139,14 @@ class TierChoice:
 
 
 def format_bytes(value: int | float | None) -> str:
-    """``value`` in GiB (or MiB below one GiB), ``"none"`` for None."""
+    """``value`` in GiB (MiB below one GiB, bytes below one MiB), ``"none"`` for None."""
     if value is None:
         return "none"
     if value >= 2**30:
         return f"{value / 2**30:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB"
+    if value >= 2**20:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{int(value)} B"
 
 
 def _budget(limit: int | None, headroom: float) -> float:

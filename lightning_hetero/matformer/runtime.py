@@ -31,8 +31,10 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER
 from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
+from lightning_hetero.hetero.tier_choice import TierChoice
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import aggregate_gradients
+from lightning_hetero.matformer.auto_tiers import ProbeStep, choose_auto_tiers, memory_limits
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange
 from lightning_hetero.matformer.helper_ranks import HelperConfig, trained_neurons, validate_helpers
@@ -74,7 +76,14 @@ class MatFormerRuntime(StrategyRuntime):
         self.schema_hash: str | None = None
         """sha256 of the canonical tier-0 schema every rank agreed on at setup."""
         self.per_rank: list[TierEntry] | None = None
-        """Every global rank's entry, once :meth:`resolve_world` ran."""
+        """Every global rank's entry, once :meth:`resolve_world` ran (``tiers="auto"``: once :meth:`setup` chose)."""
+        self.num_nodes = 1
+        self.auto_choice: TierChoice | None = None
+        """``tiers="auto"``: the measured choice (entries, reference step, one log line per rank), after setup."""
+        self.auto_probe_seconds: float | None = None
+        self.auto_probe: ProbeStep | None = None
+        """``tiers="auto"``: how to run a training step on a copy, set by the adapter before :meth:`setup`."""
+        """``tiers="auto"``: the slowest rank's probe wall time at setup (seconds)."""
         self.layout: TierLayout | None = None
         """Every rank's width in every FFN, once :meth:`setup` ran."""
         self.blocks: list[FFNBlock] = []
@@ -96,7 +105,16 @@ class MatFormerRuntime(StrategyRuntime):
 
     # ------------------------------------------------------------------------------------------------ world
     def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
-        """Expand the entries to one per global rank (per-node lists: node ``k`` holds ranks ``[kP, (k+1)P)``)."""
+        """Expand the entries to one per global rank (per-node lists: node ``k`` holds ranks ``[kP, (k+1)P)``).
+
+        With ``tiers="auto"`` there are no entries until :meth:`setup` measured every rank: this checks the
+        ``auto_tiers.memory_limit_bytes`` override against the launch and returns an empty list.
+        """
+        self.num_nodes = num_nodes
+        if self.settings.auto:
+            memory_limits(self.owner, self.settings.auto_settings, world_size, num_nodes)
+            self.per_rank = None
+            return []
         self.per_rank = expand_entries(self.owner, self.settings, world_size, num_nodes)
         return self.per_rank
 
@@ -124,15 +142,16 @@ class MatFormerRuntime(StrategyRuntime):
         """Collective setup on every rank, before optimizers exist; raises on every rank before training.
 
         Checks that every rank can run (FFNs found, full width) and holds the same model (canonical schema), copies
-        rank 0's parameters and buffers everywhere, builds the layout and the region groups, then slices this rank's
-        FFNs (``slice_weights=True``) or installs its neuron masks.
+        rank 0's parameters and buffers everywhere, (``tiers="auto"``) measures every rank's step and peak per
+        candidate tier with :attr:`auto_probe` and chooses the tiers, builds the layout and the region groups, then
+        slices this rank's FFNs (``slice_weights=True``) or installs its neuron masks.
         """
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
         self.step_fn = step_fn
         if self.per_rank is None or len(self.per_rank) != self.world_size:
-            self.resolve_world(self.world_size)
+            self.resolve_world(self.world_size, self.num_nodes if self.world_size % self.num_nodes == 0 else 1)
         local_error: Exception | None = None
         payload: dict[str, Any] = {"error": None, "schema": None, "schema_hash": None}
         try:
@@ -157,6 +176,19 @@ class MatFormerRuntime(StrategyRuntime):
         if self.world_size > 1:
             broadcast_module_state(module, 0, label=INTER)
         self.blocks, self.ffn_params = blocks, [p for b in blocks for p in b.parameters]
+        if self.settings.auto:
+            self.auto_choice, self.auto_probe_seconds = choose_auto_tiers(
+                self.owner,
+                module,
+                blocks,
+                device,
+                self.settings.auto_settings,
+                self.auto_probe,
+                self.rank,
+                self.world_size,
+                self.num_nodes if self.world_size % self.num_nodes == 0 else 1,
+            )
+            self.per_rank = list(self.auto_choice.per_rank)
         self.layout = self._build_layout(blocks)
         self.helpers = self._build_helpers(self.layout)
         self.groups = RegionGroups(self.layout, helpers=self.helpers, label=INTER)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from lightning_hetero.core.settings import check_choice, check_int
 from lightning_hetero.hetero.batch_share import check_batch_share
+from lightning_hetero.hetero.tier_settings import AutoTierSettings
 from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["DEFAULT_SETTINGS", "AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
@@ -42,7 +43,8 @@ class MatFormerSettings:
             ``tiers[k]``); an entry is a tier ``t`` (FFN width ``h >> t``) or a list with one tier per FFN
             (Mix'n'Match). The first entry must be tier 0. None (and no ``widths``): every rank trains tier 0, which
             is plain data parallelism. ``TierEvaluation`` and ``TierExport`` read their tiers from here when not
-            given their own.
+            given their own. ``"auto"``: chosen at fit start from every rank's measured step time and peak memory
+            (see ``auto_tiers`` and docs/matformer.md, "Tiers from measurement").
         widths: Like ``tiers`` but in FFN units (ints >= 1); exclusive with ``tiers``. Rank 0 must be full width.
         mode: ``"mean"`` (per-region mean; all tier 0 equals DDP), ``"sign"`` (per-region majority vote) or
             ``"demo"`` (the per-region mean sent as DCT top-k with error feedback, see ``replication``).
@@ -60,6 +62,9 @@ class MatFormerSettings:
             ``combine`` only ``"mean"``. None: the defaults in ``mode="demo"``, nothing otherwise.
         log_tier_losses: Trainer only: also log ``train/loss_tier{t}`` for every tier (mean over that tier's ranks),
             at the cost of one small all-reduce per training step (ledger label ``"metrics"``).
+        auto_tiers: ``tiers="auto"`` only: the candidates, speed and memory limits, probe length and memory-limit
+            overrides of the measured choice (:class:`~lightning_hetero.hetero.tier_settings.AutoTierSettings`).
+            None: its defaults under ``tiers="auto"``.
         on_bad_payload: What a corrupt peer payload (NaN/Inf in an all-reduced bucket, an out-of-block DCT index)
             does: ``"raise"`` a :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it and log
             (see ``docs/reliability.md``). A different model schema always raises, at setup.
@@ -88,7 +93,7 @@ class MatFormerSettings:
     }
     """Adapter keywords of 0.1 -> where they are set now (an old key raises ``RenamedSettingError``)."""
 
-    tiers: list[TierEntry] | None = None
+    tiers: list[TierEntry] | Literal["auto"] | None = None
     widths: list[TierEntry] | None = None
     mode: AggregationMode = "mean"
     tier_weights: list[float] | None = None
@@ -99,6 +104,7 @@ class MatFormerSettings:
     replication: ReplicationSettings | None = None
     log_tier_losses: bool = False
     on_bad_payload: Literal["raise", "drop"] = "raise"
+    auto_tiers: AutoTierSettings | None = None
     batch_share: Literal["auto"] | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -107,7 +113,8 @@ class MatFormerSettings:
                 f"{_OWNER}.tiers={self.tiers!r} and {_OWNER}.widths={self.widths!r}: give one of them, not both "
                 "(widths are tiers in FFN units)."
             )
-        given = self.tiers if self.tiers is not None else self.widths
+        self._check_auto()
+        given = self.tiers if self.tiers is not None and not self.auto else self.widths
         entries = None if given is None else _check_entries(self.unit, given)
         if self.unit == "tier" and entries is not None and any(as_list(entries[0])):
             raise ValueError(
@@ -129,21 +136,32 @@ class MatFormerSettings:
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
+    def auto(self) -> bool:
+        """Whether the tiers are chosen from measurement at fit start (``tiers="auto"``)."""
+        return isinstance(self.tiers, str) and self.tiers == "auto"
+
+    @property
+    def auto_settings(self) -> AutoTierSettings:
+        """The settings of the measured choice (``auto_tiers``, or its defaults)."""
+        return self.auto_tiers if self.auto_tiers is not None else AutoTierSettings()
+
+    @property
     def unit(self) -> Literal["tier", "width"]:
         """What the entries count: ``"width"`` when ``widths`` is given, else ``"tier"``."""
         return "width" if self.widths is not None else "tier"
 
     @property
     def entries(self) -> list[TierEntry] | None:
-        """The given ``tiers`` or ``widths`` (None: every rank tier 0)."""
-        given = self.tiers if self.tiers is not None else self.widths
+        """The given ``tiers`` or ``widths`` (None: every rank tier 0, or ``tiers="auto"``: chosen at setup)."""
+        given = self.tiers if self.tiers is not None and not self.auto else self.widths
         return None if given is None else [list(e) if isinstance(e, list) else e for e in given]
 
     @property
     def uniform_tiers(self) -> list[int] | None:
         """The distinct tiers trained, sorted, when every entry is one tier for all FFNs; None for widths or
-        per-FFN entries (which name no single tier). No ``tiers`` at all means every rank trains tier 0: ``[0]``."""
-        if self.widths is not None:
+        per-FFN entries (which name no single tier), and for ``tiers="auto"`` (known at setup only: see
+        ``MatFormerRuntime.per_rank``). No ``tiers`` at all means every rank trains tier 0: ``[0]``."""
+        if self.widths is not None or self.auto:
             return None
         if self.tiers is None:
             return [0]
@@ -152,6 +170,33 @@ class MatFormerSettings:
         return sorted(set(self.tiers))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------------ checks
+    def _check_auto(self) -> None:
+        if isinstance(self.tiers, str) and not self.auto:
+            raise ValueError(
+                f"{_OWNER}.tiers={self.tiers!r}: give a list (one entry per rank or per node), 'auto' (chosen from "
+                "measurement at fit start), or None."
+            )
+        if self.auto and self.widths is not None:
+            raise ValueError(f"{_OWNER}.tiers='auto' and {_OWNER}.widths={self.widths!r}: give one of them, not both.")
+        if self.auto_tiers is not None:
+            if not isinstance(self.auto_tiers, AutoTierSettings):
+                raise ValueError(
+                    f"{_OWNER}.auto_tiers={self.auto_tiers!r}: use AutoTierSettings(candidates=..., max_slowdown=..., "
+                    "...) (in YAML: a mapping of those keys)."
+                )
+            if not self.auto:
+                raise ValueError(
+                    f"{_OWNER}.auto_tiers is set but tiers={self.tiers!r}: auto_tiers only applies to tiers='auto'; "
+                    "set tiers: auto or remove auto_tiers."
+                )
+        if self.auto and self.tier_weights is not None:
+            highest = max(self.auto_settings.candidates)
+            if len(self.tier_weights) <= highest:
+                raise ValueError(
+                    f"{_OWNER}.tier_weights={list(self.tier_weights)}: tiers='auto' may choose any of the candidate "
+                    f"tiers {self.auto_settings.candidates}; give one weight per tier 0..{highest}."
+                )
+
     def _check_helpers(self) -> None:
         fraction = self.helper_fraction
         number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
@@ -250,6 +295,11 @@ def expand_entries(owner: str, settings: MatFormerSettings, world_size: int, num
     Raises:
         ValueError: The number of entries fits neither the ranks nor the nodes of the launch.
     """
+    if settings.auto:
+        raise ValueError(
+            f"{owner}: settings.tiers='auto' has no entries before setup measures every rank; "
+            "MatFormerRuntime.resolve_world checks an auto launch instead."
+        )
     entries = settings.entries
     if entries is None:
         return [0] * world_size

@@ -12,19 +12,27 @@ this module decides when it runs. Usage::
         optimizer.step()
         optimizer.zero_grad()
 
+With ``settings.tiers="auto"``, give the probe its loss before ``setup_module`` (each rank times it on a sliced copy
+per candidate tier)::
+
+    fabric.strategy.set_probe_step(lambda model: model(**probe_batch).loss)
+
 ``fabric.no_backward_sync(model)`` skips the sync for accumulation micro-batches. ``fabric.setup(model, optimizer)``
 works too: the optimizer, which must not hold state yet, is re-pointed at the sliced parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.matformer.auto_tiers import ProbeStep
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
@@ -63,6 +71,17 @@ class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
         super().__init__(settings, **kwargs)
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
+        self._probe: ProbeStep | None = None
+
+    def set_probe_step(self, loss: Callable[[nn.Module], Tensor]) -> None:
+        """``tiers="auto"``: how to compute a training loss on a copy of the model (call before ``setup_module``, in
+        the launched function: the callable need not pickle).
+
+        Args:
+            loss: ``loss(model)`` runs the forward on a probe batch already on this rank's device and returns the
+                scalar loss; the probe adds the backward and an AdamW step.
+        """
+        self._probe = ProbeStep(loss=loss, context=self.precision.forward_context)
 
     @property
     def tier(self) -> int | None:
@@ -77,7 +96,14 @@ class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._claim_module(module)
+        self.runtime.auto_probe = self._probe
         self.runtime.setup(module, self.root_device, self._current_step)
+        if self.runtime.auto_choice is not None:
+            runtime = self.runtime
+            rank_zero_info(
+                f"MatFormerStrategy tiers=auto chose {runtime.per_rank} (probe {runtime.auto_probe_seconds:.1f} s "
+                "on the slowest rank):\n  " + "\n  ".join(runtime.auto_choice.lines)
+            )
         scaler = getattr(self.precision, "scaler", None)
         if self.runtime.heterogeneous and isinstance(self.precision, MixedPrecision) and scaler is not None:
             raise ValueError(

@@ -10,7 +10,9 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 
 - ``_configure_launcher`` (in ``Trainer(...)``): the tier list is checked against the world size and expanded.
 - ``configure_ddp`` (in ``setup``, after ``configure_model`` and before the optimizers exist): schema check, rank 0's
-  weights broadcast to every rank, region process groups, then slicing (or masks).
+  weights broadcast to every rank, with ``tiers: auto`` the measured choice of tiers (each rank times
+  ``training_step`` on a sliced copy per candidate tier, on the first batch of the train dataloader), region process
+  groups, then slicing (or masks).
 - ``post_backward`` (inside the optimizer closure, before clipping and ``optimizer.step``): the per-region sync,
   skipped for the non-final micro-batches of gradient accumulation (``block_backward_sync``).
 - ``load_model_state_dict`` / ``load_optimizer_state_dict``: rank 0's full checkpoint is cut to each rank's shapes.
@@ -19,16 +21,21 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_hetero import comm
+from lightning_hetero.matformer.auto_tiers import ProbeStep
 from lightning_hetero.matformer.layout import TierLayout
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
@@ -82,7 +89,14 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
         """Set up tiers instead of wrapping in DDP: runs before ``setup_optimizers``, so optimizers see the slices."""
         module = self.lightning_module
         assert module is not None
+        self.runtime.auto_probe = self._probe_step(module)
         self.runtime.setup(module, self.root_device, self._global_step)
+        if self.runtime.auto_choice is not None:
+            runtime = self.runtime
+            rank_zero_info(
+                f"MatFormerStrategy tiers=auto chose {runtime.per_rank} (probe {runtime.auto_probe_seconds:.1f} s "
+                "on the slowest rank):\n  " + "\n  ".join(runtime.auto_choice.lines)
+            )
         if self.runtime.heterogeneous:
             scaler = getattr(self.precision_plugin, "scaler", None)
             if isinstance(self.precision_plugin, MixedPrecision) and scaler is not None:
@@ -93,6 +107,49 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
                 )
             # Ranks hold different coordinates, so a local norm differs per rank; clip with the full model's norm.
             self._use_runtime_clipping()
+
+    def _probe_step(self, module: LightningModule) -> ProbeStep | None:
+        """``tiers: auto``: ``training_step`` on the first batch of the train dataloader, run on a copy of ``module``
+        that does not hold the Trainer (its ``self.log`` calls are then no-ops). None when there is nothing to probe.
+
+        Raises:
+            ValueError: The module optimizes manually (the probe runs its own backward and optimizer step).
+        """
+        if not self.settings.auto:
+            return None
+        trainer = module._trainer
+        source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+        if trainer is None or source is None or not source.is_defined():
+            return None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "MatFormerStrategy: settings.tiers='auto' probes training_step with its own backward and AdamW step, "
+                "which needs automatic optimization; pass explicit tiers for a manually optimized module."
+            )
+        iterator = iter(CombinedLoader(source.dataloader(), "max_size_cycle"))
+        try:
+            batch = next(iterator)[0]
+        except StopIteration:
+            return None
+        finally:
+            del iterator
+        batch = self.batch_to_device(batch, self.root_device)
+
+        def copy_without_trainer(original: torch.nn.Module) -> torch.nn.Module:
+            return copy.deepcopy(original, memo={id(trainer): None})
+
+        def loss(candidate: torch.nn.Module) -> Tensor:
+            output = candidate.training_step(batch, 0)  # type: ignore[operator]
+            value = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(value, Tensor):
+                raise ValueError(
+                    "MatFormerStrategy: settings.tiers='auto' probes training_step, which returned "
+                    f"{type(output).__name__} with no loss tensor; return the loss (or a dict with 'loss'), or pass "
+                    "explicit tiers."
+                )
+            return value
+
+        return ProbeStep(loss=loss, copy=copy_without_trainer, context=self.precision_plugin.train_step_context)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
