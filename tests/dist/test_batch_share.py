@@ -1,6 +1,7 @@
 """Batch share end to end in the Trainer, 2 spawned gloo ranks: explicit shares ``[0.75, 0.25]`` at ``batch_size=4``
 give micro-batches 6 and 2, and one step equals a single-process step on the concatenated 8 samples (FlexDeMo with
-the Full replicator; MatFormer in mode mean, all tier 0); ``"auto"`` measures, agrees on every rank and stays exact.
+the Full replicator; MatFormer in mode mean, all tier 0); ``"auto"`` measures, agrees on every rank and stays exact;
+a mid-epoch resume continues with the next micro-batches, bit-identically.
 
 The Trainer runs inside :func:`run_distributed` workers (the process group exists, Lightning launches nothing).
 """
@@ -8,6 +9,7 @@ The Trainer runs inside :func:`run_distributed` workers (the process group exist
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -72,6 +74,17 @@ class _ShareModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=STEP)
 
 
+class _SaveAtStepOne(L.Callback):
+    """Save a checkpoint after the first step, mid-epoch (inside the fit, as a periodic checkpoint would)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.path)
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -82,14 +95,22 @@ class _Lines(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def _fit(strategy: Any, flexdemo: bool) -> dict[str, Any]:
+def _fit(
+    strategy: Any, flexdemo: bool, max_steps: int = 1, save: Path | None = None, resume: Path | None = None
+) -> dict[str, Any]:
     module = _ShareModule(flexdemo)
     train = StatefulDataLoader(_items(), batch_size=BATCH, shuffle=True, seed=3)
     val = DataLoader(_items()[:8], batch_size=BATCH)
+    callbacks = [] if save is None else [_SaveAtStepOne(save)]
     trainer = quiet_trainer(
-        devices=WORLD, strategy=strategy, max_steps=1, limit_val_batches=1, num_sanity_val_steps=1
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=max_steps,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=callbacks,
     )
-    trainer.fit(module, train, val)
+    trainer.fit(module, train, val, ckpt_path=resume)
     loader = trainer.train_dataloader
     return {
         "seen": module.seen,
@@ -100,7 +121,11 @@ def _fit(strategy: Any, flexdemo: bool) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world_size: int) -> dict[str, Any]:
+def _matformer_share() -> MatFormerStrategy:
+    return MatFormerStrategy(settings=MatFormerSettings(batch_share=[0.75, 0.25]))
+
+
+def _worker(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     handler = _Lines()
     for name in ("lightning.pytorch", "lightning_utilities"):  # where Lightning's rank_zero_info logs
         logger = logging.getLogger(name)
@@ -111,7 +136,11 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         "flexdemo": _fit(
             FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=1, replication=full, batch_share=[0.75, 0.25])), True
         ),
-        "matformer": _fit(MatFormerStrategy(settings=MatFormerSettings(batch_share=[0.75, 0.25])), False),
+        "matformer": _fit(_matformer_share(), False),
+        # Mid-epoch resume: 2 steps per epoch; a checkpoint after step 1 (mid-epoch), resumed from it to step 3.
+        "straight": _fit(_matformer_share(), False, max_steps=3),
+        "first": _fit(_matformer_share(), False, max_steps=3, save=out / "step1.ckpt"),
+        "resumed": _fit(_matformer_share(), False, max_steps=3, resume=out / "step1.ckpt"),
         "flexdemo_auto": _fit(
             FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=1, replication=full, batch_share="auto")), True
         ),
@@ -120,8 +149,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    return run_distributed(_worker, WORLD, timeout=600)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(_worker, WORLD, tmp_path_factory.mktemp("batch_share"), timeout=600)
 
 
 def _reference(indices: list[int]) -> dict[str, torch.Tensor]:
@@ -151,6 +180,17 @@ def test_one_step_equals_the_step_on_the_concatenated_global_batch(runs, run):
     for result in (first, second):
         for name, value in result["params"].items():
             torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"{run} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_mid_epoch_resume_continues_with_the_next_step(runs):
+    for result in runs:
+        straight, first, resumed = result["straight"]["seen"], result["first"]["seen"], result["resumed"]["seen"]
+        assert len(straight) == 3 and first == straight
+        assert resumed == straight[1:]  # the same micro-batches, none repeated or skipped
+        for name, value in result["straight"]["params"].items():
+            torch.testing.assert_close(value, result["resumed"]["params"][name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.slow
