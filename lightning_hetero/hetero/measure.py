@@ -6,10 +6,13 @@ batch shares) to probe each rank before the first step.
 Memory on CUDA is the *allocator's* view: ``memory_limit_bytes`` is the device's total memory and
 ``peak_memory_bytes`` is ``torch.cuda.max_memory_reserved`` (what the caching allocator held at its peak, which is
 what an out-of-memory error is measured against; ``max_memory_allocated`` is lower by the cache's slack). On CPU it
-is the process's view on Linux: the limit of the memory cgroup this process is in, and the resident-set high-water
-mark (``VmHWM``) of ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``. Where the high-water
-mark cannot be reset (no permission, not Linux), the peak falls back to the current resident set size, which still
-bounds what the process holds now.
+is the kernel's view on Linux: the limit of the memory cgroup this process is in and, when that cgroup has a
+limit, the cgroup's own peak charge (v1 ``memory.max_usage_in_bytes``, reset by writing ``0``; v2 ``memory.peak``,
+the peak since the group was made), because that charge is what the kernel compares with the limit: a process's
+resident set also counts shared-library pages charged elsewhere (measured: a Lightning worker's ``VmHWM`` is
+hundreds of MB above its group's charge). Without a limited cgroup, the peak is the resident-set high-water mark
+(``VmHWM`` of ``/proc/self/status``, reset by writing ``5`` to ``/proc/self/clear_refs``), or the current resident
+set where that cannot be reset (no permission, not Linux).
 """
 
 from __future__ import annotations
@@ -49,17 +52,12 @@ def memory_limit_bytes(device: torch.device) -> int | None:
     return _cgroup_limit(_PROC / "cgroup", _CGROUP_ROOT)
 
 
-def _cgroup_limit(proc_cgroup: Path, root: Path) -> int | None:
-    """The memory limit of the cgroup named in ``proc_cgroup`` under the cgroup mount ``root``.
-
-    A cgroup is bounded by every ancestor too, so the smallest limit found along its path (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``) counts. Inside a container the mount's root is often the process's own cgroup while
-    ``/proc/self/cgroup`` names the host's path: the paths that do not exist are skipped and the mount root counts.
-    """
+def _cgroup_files(proc_cgroup: Path, root: Path, names: tuple[str, str]) -> list[Path]:
+    """The files ``names`` (v2 name, v1 name) of the process's memory cgroup and its ancestors, deepest first."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
+        return []
     files: list[Path] = []
     for line in lines:
         parts = line.split(":", 2)
@@ -67,14 +65,38 @@ def _cgroup_limit(proc_cgroup: Path, root: Path) -> int | None:
             continue
         _, controllers, path = parts
         if controllers == "":  # cgroup v2 (unified)
-            bases, name = [root, root / "unified"], "memory.max"
+            bases, name = [root, root / "unified"], names[0]
         elif "memory" in controllers.split(","):  # cgroup v1
-            bases, name = [root / "memory"], "memory.limit_in_bytes"
+            bases, name = [root / "memory"], names[1]
         else:
             continue
         segments = [s for s in path.split("/") if s]
         for base in bases:
             files += [base.joinpath(*segments[:depth]) / name for depth in range(len(segments), -1, -1)]
+    return files
+
+
+def _limited_cgroup_peak_file(proc_cgroup: Path | None = None, root: Path | None = None) -> Path | None:
+    """The peak-charge file of the deepest memory cgroup of this process that has a finite limit, if readable."""
+    proc_cgroup = _PROC / "cgroup" if proc_cgroup is None else proc_cgroup
+    limits = _cgroup_files(proc_cgroup, _CGROUP_ROOT if root is None else root, ("memory.max", "memory.limit_in_bytes"))
+    for limit_file in limits:
+        if _read_limit(limit_file) is not None:
+            for name in ("memory.max_usage_in_bytes", "memory.peak"):
+                if (limit_file.parent / name).is_file():
+                    return limit_file.parent / name
+            return None
+    return None
+
+
+def _cgroup_limit(proc_cgroup: Path, root: Path) -> int | None:
+    """The memory limit of the cgroup named in ``proc_cgroup`` under the cgroup mount ``root``.
+
+    A cgroup is bounded by every ancestor too, so the smallest limit found along its path (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) counts. Inside a container the mount's root is often the process's own cgroup while
+    ``/proc/self/cgroup`` names the host's path: the paths that do not exist are skipped and the mount root counts.
+    """
+    files = _cgroup_files(proc_cgroup, root, ("memory.max", "memory.limit_in_bytes"))
     limits = [limit for limit in (_read_limit(f) for f in files) if isinstance(limit, int)]
     return min(limits) if limits else None
 
@@ -99,6 +121,12 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    peak_file = _limited_cgroup_peak_file()
+    if peak_file is not None and peak_file.name == "memory.max_usage_in_bytes":
+        try:
+            peak_file.write_text("0")  # v1: restarts the group's peak at its current charge
+        except OSError:
+            pass
     try:
         (_PROC / "clear_refs").write_text("5")
     except OSError:
@@ -112,13 +140,20 @@ def peak_memory_bytes(device: torch.device) -> int:
         device: The rank's compute device.
 
     Returns:
-        On CUDA, ``torch.cuda.max_memory_reserved`` (the caching allocator's peak). On CPU, the process's
-        resident-set high-water mark (``VmHWM``), or its current resident set (``VmRSS``) where the high-water mark
-        is unavailable; 0 when neither can be read.
+        On CUDA, ``torch.cuda.max_memory_reserved`` (the caching allocator's peak). On CPU in a memory cgroup with
+        a limit, the group's peak charge (shared by every process of the group: on a node of several ranks, theirs
+        too); otherwise the process's resident-set high-water mark (``VmHWM``), or its current resident set
+        (``VmRSS``) where the high-water mark is unavailable; 0 when neither can be read.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device))
+    peak_file = _limited_cgroup_peak_file()
+    if peak_file is not None:
+        try:
+            return int(peak_file.read_text().strip())
+        except (OSError, ValueError):
+            pass
     status = _proc_status()
     for key in ("VmHWM", "VmRSS"):
         if key in status:

@@ -314,6 +314,7 @@ class Testbed:
             node_cgroup_procs=[self._cgroups.procs_files(node) for node in range(self.nodes)]
             if self._cgroups
             else None,
+            cgroup_layout=self._cgroups.layout if self._cgroups else None,
         )
         usage_before = self._cgroup_usage(reset_peaks=True)
         before = self.counters()

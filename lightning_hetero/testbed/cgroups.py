@@ -50,6 +50,7 @@ __all__ = [
     "create_node_cgroups",
     "join_command",
     "list_testbed_cgroups",
+    "view_command",
     "omp_threads_for_quota",
     "read_cgroup_mounts",
     "select_layout",
@@ -220,6 +221,32 @@ def join_command(procs_files: Sequence[str], argv: Sequence[str]) -> list[str]:
         f' exit {JOIN_FAILED_EXIT_CODE}; }}; exec "$@"'
     )
     return ["sh", "-c", script, "lhtb-join", *argv]
+
+
+def view_command(layout: CgroupLayout, argv: Sequence[str]) -> list[str]:
+    """``argv`` run through a shell that first mounts ``layout``'s hierarchies again, inside the node namespace.
+
+    ``ip netns exec`` gives the command a private mount namespace with a fresh ``/sys``, which hides
+    ``/sys/fs/cgroup``: the process would be limited without seeing its limit, unlike on a real machine, where
+    ``lightning_hetero.hetero.measure`` reads it. The mounts stay private to the node's processes. A failed mount
+    leaves the limits in force and says so in one line.
+    """
+    paths: dict[Path, set[str]] = {}
+    for controller, path in layout.bases.items():
+        paths.setdefault(path, set()).add(controller)
+    mounts = []
+    for path, controllers in paths.items():
+        target = shlex.quote(str(path))
+        if layout.version == 2:
+            mounts.append(f"mkdir -p {target} && mount -t cgroup2 none {target}")
+        else:
+            options = ",".join(sorted(controllers - {"unified"}))
+            mounts.append(f"mkdir -p {target} && mount -t cgroup -o {options} cgroup {target}")
+    roots = {str(path.parent) for path in paths if layout.version == 1}
+    prepare = " && ".join(f"mount -t tmpfs lhtb-cgroups {shlex.quote(root)}" for root in sorted(roots))
+    script = " && ".join([*([prepare] if prepare else []), *mounts])
+    script = f'{{ {script}; }} 2>/dev/null || echo "$0: node cgroup not visible inside the namespace" >&2; exec "$@"'
+    return ["sh", "-c", script, "lhtb-view", *argv]
 
 
 def _write(path: Path, value: str) -> None:

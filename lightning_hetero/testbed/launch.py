@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from lightning_hetero.comm.dump import LEDGER_DIR_ENV
-from lightning_hetero.testbed.cgroups import join_command, omp_threads_for_quota
+from lightning_hetero.testbed.cgroups import CgroupLayout, join_command, omp_threads_for_quota, view_command
 from lightning_hetero.testbed.netns import NODE_INTERFACE
 
 __all__ = [
@@ -181,15 +181,19 @@ class ProcessSpec:
     env: Mapping[str, str]
     #: ``cgroup.procs`` files of the node's cgroup (``--node-cpu``/``--node-memory``); empty: no cgroup.
     cgroup_procs: tuple[str, ...] = ()
+    #: The run's cgroup hierarchies, mounted again inside the namespace so the process can read its own limits.
+    cgroup_layout: CgroupLayout | None = None
 
     @property
     def argv(self) -> list[str]:
         """The full argv: the command run through ``ip netns exec`` (which execs it, so the pid is the command's).
 
         With a node cgroup, a shell wrapper joins it first and then execs ``ip netns exec``: the pid stays the
-        command's, and the command starts inside its node's limits.
+        command's, and the command starts inside its node's limits. Inside the namespace a second wrapper mounts the
+        cgroup hierarchies again (``view_command``), so the command sees its own group as on a real machine.
         """
-        return join_command(self.cgroup_procs, ["ip", "netns", "exec", self.namespace, *self.command])
+        command = view_command(self.cgroup_layout, self.command) if self.cgroup_layout else list(self.command)
+        return join_command(self.cgroup_procs, ["ip", "netns", "exec", self.namespace, *command])
 
 
 def build_process_specs(
@@ -206,11 +210,13 @@ def build_process_specs(
     cpu_count: int,
     node_cpu: Sequence[float | None] | None = None,
     node_cgroup_procs: Sequence[Sequence[str]] | None = None,
+    cgroup_layout: CgroupLayout | None = None,
 ) -> list[ProcessSpec]:
     """Every process of one run, ordered by node then local rank.
 
     ``node_cpu`` (each node's CPU quota, sets ``OMP_NUM_THREADS``) and ``node_cgroup_procs`` (each node's
-    ``cgroup.procs`` files) are per node; None means no cgroups.
+    ``cgroup.procs`` files) are per node; None means no cgroups. ``cgroup_layout``: the hierarchies to show inside
+    the namespaces.
     """
     if launch not in LAUNCH_MODES:
         raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}.")
@@ -221,16 +227,17 @@ def build_process_specs(
     for node, namespace in enumerate(namespaces):
         quota = node_cpu[node] if node_cpu is not None else None
         procs = tuple(node_cgroup_procs[node]) if node_cgroup_procs is not None else ()
+        view = cgroup_layout if procs else None
         if launch == "per-node":
             env = node_environment(base_env, node_rank=node, cpu_quota=quota, **topology)
-            specs.append(ProcessSpec(f"n{node}", node, None, None, namespace, tuple(command), env, procs))
+            specs.append(ProcessSpec(f"n{node}", node, None, None, namespace, tuple(command), env, procs, view))
             continue
         for local in range(ranks_per_node):
             env = rank_environment(
                 base_env, node_rank=node, local_rank=local, run_id=run_id, cpu_quota=quota, **topology
             )
             rank = node * ranks_per_node + local
-            specs.append(ProcessSpec(f"n{node}r{rank}", node, rank, local, namespace, tuple(command), env, procs))
+            specs.append(ProcessSpec(f"n{node}r{rank}", node, rank, local, namespace, tuple(command), env, procs, view))
     return specs
 
 

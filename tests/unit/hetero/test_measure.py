@@ -91,3 +91,30 @@ def test_cuda_limit_and_peak():
     reset_peak_memory(device)
     block = torch.ones(2**20, device=device)
     assert peak_memory_bytes(device) >= block.numel() * 4
+
+
+def test_the_peak_of_a_limited_v1_cgroup_is_its_own_charge_and_resets(tmp_path, monkeypatch):
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/lhtb-abc-n1\n")
+    root = tmp_path / "fs"
+    group = root / "memory" / "lhtb-abc-n1"
+    _write(group / "memory.limit_in_bytes", str(2**30))
+    _write(group / "memory.max_usage_in_bytes", str(700 * 2**20))
+    monkeypatch.setattr(measure, "_PROC", tmp_path)
+    monkeypatch.setattr(measure, "_CGROUP_ROOT", root)
+    (tmp_path / "clear_refs").write_text("")
+    assert measure._limited_cgroup_peak_file(proc, root) == group / "memory.max_usage_in_bytes"
+    assert peak_memory_bytes(CPU) == 700 * 2**20  # the charge the kernel compares with the limit, not VmHWM
+    reset_peak_memory(CPU)
+    assert (group / "memory.max_usage_in_bytes").read_text() == "0"  # v1 restarts the peak at the current charge
+
+
+def test_an_unlimited_cgroup_peak_is_not_used(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job\n")
+    root = tmp_path / "fs"
+    _write(root / "job" / "memory.max", "max\n")
+    _write(root / "job" / "memory.peak", "123\n")
+    assert measure._limited_cgroup_peak_file(proc, root) is None  # no limit: the process's own high-water mark
+    _write(root / "job" / "memory.max", str(2**30))
+    assert measure._limited_cgroup_peak_file(proc, root) == root / "job" / "memory.peak"

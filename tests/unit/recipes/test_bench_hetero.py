@@ -118,7 +118,7 @@ def test_worker_command_carries_the_scenario_model_and_batch(tmp_path):
     argv = hetero.worker_argv(hetero.SIDES["matformer-auto"], 2e-3, 1, args, tmp_path / "w.json")
     assert argv[argv.index("--tiers") + 1] == "auto"
     assert argv[argv.index("--batch-size") + 1] == "16"
-    assert '"intermediate_size": 688' in argv[argv.index("--model-config") + 1]
+    assert '"intermediate_size": 1024' in argv[argv.index("--model-config") + 1]
     args.small_node_memory = 123
     assert hetero.node_limits(args, 2) == ([1.0, 1.0], [None, 123])
     assert hetero.node_limits(args, 1) == ([1.0], [None])

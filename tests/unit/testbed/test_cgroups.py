@@ -27,6 +27,7 @@ from lightning_hetero.testbed.cgroups import (
     join_command,
     read_cgroup_mounts,
     select_layout,
+    view_command,
 )
 from lightning_hetero.testbed.checks import TestbedConfigError, parse_memory_size, parse_node_cpu, parse_node_memory
 from lightning_hetero.testbed.launch import build_process_specs, node_environment, rank_environment
@@ -290,6 +291,21 @@ def test_join_command_refuses_to_run_outside_the_group(tmp_path):
     completed = subprocess.run(argv, capture_output=True, text=True)
     assert completed.returncode == cgroups.JOIN_FAILED_EXIT_CODE and "cannot join the node cgroup" in completed.stderr
     assert not marker.exists()
+
+
+def test_view_command_mounts_the_run_hierarchies_again_before_exec():
+    v1 = CgroupLayout(1, {"cpu": Path("/sys/fs/cgroup/cpu"), "memory": Path("/sys/fs/cgroup/memory")})
+    argv = view_command(v1, ["python", "train.py"])
+    script = argv[2]
+    assert argv[:2] == ["sh", "-c"] and argv[-2:] == ["python", "train.py"]
+    assert script.index("mount -t tmpfs lhtb-cgroups /sys/fs/cgroup") < script.index("-o memory")
+    assert "mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu" in script
+    assert "mount -t cgroup -o memory cgroup /sys/fs/cgroup/memory" in script
+    assert script.endswith('exec "$@"')  # a failed mount still runs the command, inside its limits
+    shared = CgroupLayout(1, {"cpu": Path("/cg/cpu,cpuacct"), "cpuacct": Path("/cg/cpu,cpuacct")})
+    assert "-o cpu,cpuacct cgroup /cg/cpu,cpuacct" in view_command(shared, ["true"])[2]
+    v2 = view_command(CgroupLayout(2, {"unified": Path("/sys/fs/cgroup")}), ["true"])[2]
+    assert "mount -t cgroup2 none /sys/fs/cgroup" in v2 and "tmpfs" not in v2
 
 
 # -- launch environment, report, CLI -----------------------------------------------------------------------------------
