@@ -84,6 +84,10 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         """``settings.batch_share``: ``world size x this rank's micro-batch / global batch`` (1.0 without)."""
 
     # ------------------------------------------------------------------------------------------------ public
+    @property
+    def micro_batch_sizes(self) -> list[int] | None:
+        """Every rank's micro-batch under ``settings.batch_share`` (once the train loader is built), else None."""
+        return self._batch_share.sizes
 
     @property
     def topology(self) -> Any:

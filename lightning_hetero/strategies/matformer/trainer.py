@@ -69,6 +69,11 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
 
     # ------------------------------------------------------------------------------------------------ public
     @property
+    def micro_batch_sizes(self) -> list[int] | None:
+        """Every rank's micro-batch under ``settings.batch_share`` (once the train loader is built), else None."""
+        return self._batch_share.sizes
+
+    @property
     def tier(self) -> int | None:
         """This rank's tier (None for per-layer or non power-of-two widths); known from ``Trainer(...)`` on."""
         return self.runtime.tier_of(self.global_rank)
