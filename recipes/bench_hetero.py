@@ -65,10 +65,14 @@ SIDES = {
     "matformer-auto-demo": Side(
         "matformer-auto-demo", ("--side", "matformer", "--tiers", "auto", "--mode", "demo"), baseline=False
     ),
+    "matformer-auto-1.4": Side(
+        "matformer-auto-1.4", ("--side", "matformer", "--tiers", "auto", "--max-slowdown", "1.4"), baseline=False
+    ),
     "matformer-share": Side(
         "matformer-share", ("--side", "matformer", "--tiers", "[0, 0]", "--batch-share", "auto"), baseline=False
     ),
     "flexdemo-share": Side("flexdemo-share", ("--side", "flexdemo", "--batch-share", "auto"), baseline=False),
+    "flexdemo": Side("flexdemo", ("--side", "flexdemo"), baseline=False),
 }
 SCENARIOS: dict[str, dict[str, Any]] = {
     "memory": {
@@ -79,7 +83,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "speed": {
         "node_cpu": [1.0, 0.5],
-        "sides": ["ddp", "single", "matformer-auto", "flexdemo-share", "matformer-share"],
+        "sides": [
+            "ddp",
+            "single",
+            "matformer-auto",
+            "matformer-auto-1.4",
+            "flexdemo-share",
+            "flexdemo",
+            "matformer-share",
+        ],
         "model_config": None,
         "batch_size": 8,
     },
@@ -240,6 +252,27 @@ def analyse(results: dict[str, Any], margin: float) -> dict[str, Any]:
     return {"sides": summary, "best_baseline": best, "target": target}
 
 
+def operating_point(results: dict[str, Any]) -> dict[str, Any] | None:
+    """R = link time / compute time of stock DDP here: its measured wire bytes per step over the link rate, against
+    node A's compute-only step (A alone). None without a finished DDP and single run."""
+    from lightning_hetero.testbed.checks import parse_rate
+
+    rate = parse_rate(results["bandwidth"])
+    ddp = [r for r in results["sides"].get("ddp", {}).get("seeds", []) if r.get("ok")]
+    single = [r for r in results["sides"].get("single", {}).get("seeds", []) if r.get("ok")]
+    if not (rate and ddp and single and ddp[0]["nodes"]):
+        return None
+    sent = ddp[0]["nodes"][0]["wire"]["tx_bytes"] / max(ddp[0]["worker"]["steps"], 1)
+    link_seconds = 8 * sent / rate
+    compute_seconds = single[0]["worker"]["median_step_s"]
+    return {
+        "ddp_wire_bytes_per_step": sent,
+        "link_seconds": link_seconds,
+        "compute_seconds_node_a": compute_seconds,
+        "R": link_seconds / compute_seconds,
+    }
+
+
 def plot(results: dict[str, Any], directory: Path) -> None:
     """Full-model validation loss against training wall-clock per side: mean over seeds, min-max shaded."""
     import matplotlib
@@ -285,6 +318,7 @@ def write_headline(results: dict[str, Any]) -> None:
         {
             "nodes": results["nodes"],
             "bandwidth": results["bandwidth"],
+            "R": (results.get("operating_point") or {}).get("R"),
             "baseline": best_baseline,
             "ours": best,
             "baseline_final_val_loss_mean": analysis["sides"][best_baseline]["final_val_loss_mean"],
@@ -305,13 +339,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     parser.add_argument("--sides", nargs="+", default=None, help="default: the scenario's sides")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 3e-3], help="tuned per side at seed 0")
+    parser.add_argument(
+        "--side-lrs",
+        nargs="+",
+        default=[],
+        metavar="SIDE=LR[,LR...]",
+        help="a side's own grid instead of --lrs (e.g. flexdemo-share=2e-3)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr-warmup", type=int, default=100)
     parser.add_argument("--val-every", type=int, default=100)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--bandwidth", default="50mbit", help="every node link, per direction (tc syntax)")
+    parser.add_argument("--bandwidth", default="100mbit", help="every node link, per direction (tc syntax)")
     parser.add_argument(
         "--small-node-memory",
         type=int,
@@ -333,6 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--sides {unknown}: unknown; choose from {sorted(SIDES)}")
     args.out_dir = args.out_dir or REPO / "docs" / "results" / f"hetero_{args.scenario}"
+    args.grids = {side: list(args.lrs) for side in args.sides}
+    for entry in args.side_lrs:
+        side, _, rates = entry.partition("=")
+        if side not in args.grids or not rates:
+            parser.error(f"--side-lrs {entry!r}: write SIDE=LR[,LR...] with SIDE one of --sides {args.sides}")
+        args.grids[side] = [float(rate) for rate in rates.split(",")]
     return args
 
 
@@ -351,22 +398,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth": args.bandwidth,
         "steps": args.steps,
         "seeds": args.seeds,
-        "lrs": args.lrs,
+        "lrs": args.grids,
         "memory_calibration": calibration,
         "metadata": run_metadata(),
         "sides": {},
     }
     for side in args.sides:
-        tuning = [run_once(side, lr, args.seeds[0], args) for lr in args.lrs]
+        tuning = [run_once(side, lr, args.seeds[0], args) for lr in args.grids[side]]
         lr = best_lr(tuning)
         seeds = [next(r for r in tuning if r["learning_rate"] == lr)] if lr is not None else tuning[:1]
         if lr is not None:
             seeds += [run_once(side, lr, seed, args) for seed in args.seeds[1:]]
         results["sides"][side] = {"tuning": tuning, "best_lr": lr, "seeds": seeds}
     results["analysis"] = analyse(results, args.target_margin)
+    results["operating_point"] = operating_point(results)
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out_dir)
-    print(json.dumps(results["analysis"], indent=1))
+    print(json.dumps({"analysis": results["analysis"], "operating_point": results["operating_point"]}, indent=1))
     if args.headline:
         write_headline(results)
     return results
