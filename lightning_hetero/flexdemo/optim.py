@@ -161,6 +161,11 @@ class DecoupledAdamW(ReplicatingOptimizer):
         super().__init__(
             params, defaults, replicator=replicator, compression=compression, replicator_options=replicator_options
         )
+        self.contribution_weight = 1.0
+        """This replica's weight in the mean of what the replicas send (a batch share's ``W n_r / N``; 1 without).
+        The gradient already carries it (the strategy scales the loss), but the ``"direction"`` and
+        ``"preconditioned"`` exchanges divide by the local second moment, which cancels any scale of the gradient:
+        they multiply what enters the error-feedback buffer by it again, so the exchanged mean stays token-weighted."""
 
     def _second_moment_denominator(
         self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]
@@ -216,7 +221,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
             direction = grad / self._second_moment_denominator(state, grad, group)[0]
         else:
             direction = self._adam_direction(state, grad, group)
-        return self._buffer(state, "error", grad).add_(direction)
+        return self._buffer(state, "error", grad).add_(direction, alpha=self.contribution_weight)
 
     def _apply(self, state: dict[str, Any], param: torch.Tensor, combined: torch.Tensor, group: dict[str, Any]) -> None:
         if self._adam_after_exchange(group):

@@ -45,6 +45,7 @@ from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
+from lightning_hetero.flexdemo.optim import DecoupledAdamW
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
@@ -192,6 +193,8 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         loader = self._batch_share.train_loader(self, dataloader, share, group_size=group)
         assert self._batch_share.sizes is not None
         self._loss_scale = gradient_scale(self._batch_share.sizes, self.global_rank)
+        if isinstance(self.runtime.optimizer, DecoupledAdamW):  # its normalized exchanges cancel the loss scale
+            self.runtime.optimizer.contribution_weight = self._loss_scale
         return loader
 
     # ------------------------------------------------------------------------------------------------ training

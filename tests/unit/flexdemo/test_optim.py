@@ -104,6 +104,25 @@ def test_gradient_exchange_single_replica_matches_hand_computation(device: torch
     assert torch.allclose(optimizer.state[p]["exp_avg"], moments["m"], atol=1e-6)  # moments of u, not of g
 
 
+@pytest.mark.parametrize("exchange", ["preconditioned", "direction"])
+def test_contribution_weight_survives_the_normalized_exchanges(device: torch.device, exchange: str) -> None:
+    """A batch share scales the loss by w = W n_r / N; the local second moment cancels that scale, so what enters the
+    error-feedback buffer must carry w again: buffer(w g, weight w) == w * buffer(g, weight 1) ."""
+    optimizers = []
+    for scale in (1.0, 0.625):
+        p = _param(8, 8, device=device)
+        # random selection: linear in the buffer and free of top-k ties that a rescale could flip
+        optimizer = DecoupledAdamW([p], lr=0.01, exchange=exchange, replicator="random", compression=1 / 4)
+        optimizer.contribution_weight = scale
+        for step in range(1, 4):
+            p.grad = scale * torch.randn(8, 8, generator=torch.Generator().manual_seed(50 + step)).to(device)
+            optimizer.step()
+        optimizers.append((p, optimizer))
+    (p1, plain), (p2, weighted) = optimizers
+    assert torch.allclose(weighted.state[p2]["error"], 0.625 * plain.state[p1]["error"], atol=1e-5)
+    assert not torch.allclose(weighted.state[p2]["error"], plain.state[p1]["error"], atol=1e-2)
+
+
 def test_preconditioned_exchange_single_replica_matches_hand_computation(device: torch.device) -> None:
     """exchange="preconditioned": p = g / (sqrt(v_hat) + eps); e += p; u = IDCT(topk(DCT(e))); e -= u; theta -= lr u.
     No first moment besides the buffer: beta1 is not used (0.0 and 0.9 give the same run)."""
