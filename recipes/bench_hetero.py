@@ -304,6 +304,31 @@ def plot(results: dict[str, Any], directory: Path) -> None:
     plt.close(figure)
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """The docs table of a results.json: one row per side, the best baseline's time to target as the reference."""
+    analysis = results["analysis"]
+    lines = [
+        "| side | lr | final val loss (mean +- std, seeds) | vs best baseline | median step (s) | set-up (s) "
+        "| time to target (s) | speed-up | tiers / micro-batches |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for side, entry in analysis["sides"].items():
+        if not entry["finished_seeds"]:
+            failure = entry["failures"][0] if entry["failures"] else {}
+            lines.append(f"| {side} | - | failed (exit {failure.get('exit_code')}) | | | | | | |")
+            continue
+        layout = entry["tiers"] if entry["tiers"] is not None else entry["micro_batch_sizes"]
+        target_time = entry.get("time_to_target_s")
+        speedup = entry.get("speedup_time_to_target")
+        lines.append(
+            f"| {side} | {entry['best_lr']:g} | {entry['final_val_loss_mean']:.4f} +- {entry['final_val_loss_std']:.4f}"
+            f" ({entry['finished_seeds']}) | {entry['val_loss_gap_pct']:+.2f}% | {entry['median_step_s']:.3f} "
+            f"| {entry['setup_seconds']:.1f} | {'-' if target_time is None else f'{target_time:.0f}'} "
+            f"| {'-' if speedup is None else f'{speedup:.2f}x'} | {layout if layout is not None else ''} |"
+        )
+    return "\n".join(lines)
+
+
 def write_headline(results: dict[str, Any]) -> None:
     """The ``hetero_<scenario>`` section of docs/results/headline.json: ours (best side) against the best baseline."""
     analysis = results["analysis"]
@@ -365,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --out-dir/runs")
     parser.add_argument("--headline", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="8 steps, one rate, one seed (the CI check)")
+    parser.add_argument("--markdown", action="store_true", help="print the docs table of --out-dir/results.json")
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.lr_warmup, args.val_every, args.val_batches = 8, 2, 4, 2
@@ -385,6 +411,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.markdown:
+        results = json.loads((args.out_dir / "results.json").read_text())
+        print(markdown_table(results))
+        return results
     args.out_dir.mkdir(parents=True, exist_ok=True)
     calibration = None
     if args.scenario == "memory" and args.small_node_memory is None:

@@ -122,3 +122,17 @@ def test_worker_command_carries_the_scenario_model_and_batch(tmp_path):
     args.small_node_memory = 123
     assert hetero.node_limits(args, 2) == ([1.0, 1.0], [None, 123])
     assert hetero.node_limits(args, 1) == ([1.0], [None])
+
+
+def test_markdown_table_has_a_row_per_side_and_names_failures():
+    results = {
+        "sides": {
+            "single": {"best_lr": 1e-3, "seeds": [_record("single", 0, [(10, 4.0)])]},
+            "ddp": {"best_lr": None, "seeds": [_failed("ddp", 0)]},
+        }
+    }
+    results["analysis"] = hetero.analyse(results, margin=0.01)
+    table = hetero.markdown_table(results).splitlines()
+    assert len(table) == 4
+    assert table[2].startswith("| single | 0.001 | 4.0000 +- 0.0000 (1) | +0.00% |")
+    assert table[3].startswith("| ddp | - | failed (exit 137) |")
