@@ -105,11 +105,20 @@ def run_tag(side: str, lr: float, seed: int, steps: int) -> str:
     return f"{side}-lr{lr:g}-s{seed}-{steps}"
 
 
-def worker_argv(side: Side, lr: float, seed: int, args: argparse.Namespace, out: Path) -> list[str]:
+@dataclass(frozen=True)
+class Plan:
+    """How long one side trains: optimizer steps, warmup steps, evaluation interval."""
+
+    steps: int
+    lr_warmup: int
+    val_every: int
+
+
+def worker_argv(side: Side, lr: float, seed: int, plan: Plan, args: argparse.Namespace, out: Path) -> list[str]:
     """The worker command of one run."""
     scenario = SCENARIOS[args.scenario]
     argv = [sys.executable, str(WORKER), *side.worker_args, "--learning-rate", str(lr), "--seed", str(seed)]
-    argv += ["--steps", str(args.steps), "--lr-warmup", str(args.lr_warmup), "--val-every", str(args.val_every)]
+    argv += ["--steps", str(plan.steps), "--lr-warmup", str(plan.lr_warmup), "--val-every", str(plan.val_every)]
     argv += ["--val-batches", str(args.val_batches), "--batch-size", str(scenario["batch_size"])]
     argv += ["--seq-len", str(args.seq_len), "--out", str(out)]
     if scenario["model_config"]:
@@ -124,31 +133,65 @@ def node_limits(args: argparse.Namespace, nodes: int) -> tuple[list[float], list
     return cpu, memory
 
 
-def run_once(side_name: str, lr: float, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Train one run on the testbed (or reuse its stored record); returns the record, failures included."""
+def launch(side: Side, argv: list[str], args: argparse.Namespace) -> tuple[int, list[dict[str, Any]]]:
+    """Run one worker command on the side's testbed nodes; its exit code and each node's report summary."""
     from lightning_hetero.testbed import Testbed
 
-    side = SIDES[side_name]
-    tag = run_tag(side_name, lr, seed, args.steps)
+    cpu, memory = node_limits(args, side.nodes)
+    with Testbed(nodes=side.nodes, ranks_per_node=1, bandwidth=args.bandwidth, node_cpu=cpu, node_memory=memory) as bed:
+        result = bed.run(argv, timeout=args.run_timeout)
+    return result.exit_code, [node_summary(node) for node in result.report.get("nodes", [])]
+
+
+def side_plan(side_name: str, args: argparse.Namespace) -> Plan:
+    """``--steps`` for every side, or, with ``--budget-seconds``, the steps that fill the budget at the side's own
+    median step (measured by a short run of the side on its nodes, stored under ``--out-dir/budget``)."""
+    if args.budget_seconds is None:
+        return Plan(args.steps, args.lr_warmup, args.val_every)
+    path = args.out_dir / "budget" / f"{side_name}.json"
+    if args.stored_only and not path.is_file():
+        return Plan(args.steps, args.lr_warmup, args.val_every)
+    if not ((args.reuse or args.stored_only) and path.is_file()):
+        out = path.with_suffix(".worker.json")
+        side = SIDES[side_name]
+        argv = worker_argv(side, args.grids[side_name][0], 0, Plan(args.budget_probe_steps, 0, 0), args, out)
+        print(f"[bench_hetero] {args.scenario}: timing {side_name} for the budget", flush=True)
+        exit_code, _ = launch(side, argv, args)
+        median = json.loads(out.read_text())["median_step_s"] if exit_code == 0 and out.is_file() else None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"median_step_s": median, "exit_code": exit_code}))
+    median = json.loads(path.read_text())["median_step_s"]
+    steps = args.steps if median is None else max(20, round(args.budget_seconds / median))
+    return Plan(steps, min(args.lr_warmup, steps // 10), max(1, steps // args.evaluations))
+
+
+def run_once(side_name: str, lr: float, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one run on the testbed (or reuse its stored record); returns the record, failures included.
+
+    With ``--stored-only`` a run not stored yet is not trained: it is a failure with exit code None.
+    """
+    side, plan = SIDES[side_name], side_plan(side_name, args)
+    tag = run_tag(side_name, lr, seed, plan.steps)
     record_path = args.out_dir / "runs" / f"{tag}.json"
-    if args.reuse and record_path.is_file():
+    if (args.reuse or args.stored_only) and record_path.is_file():
         return json.loads(record_path.read_text())
+    if args.stored_only:
+        return {"side": side_name, "learning_rate": lr, "seed": seed, "ok": False, "exit_code": None, "nodes": []}
     out = args.out_dir / "runs" / f"{tag}.worker.json"
     out.unlink(missing_ok=True)
-    cpu, memory = node_limits(args, side.nodes)
     started = time.perf_counter()
-    print(f"[bench_hetero] {args.scenario}: {tag} on nodes cpu={cpu} memory={memory}", flush=True)
-    with Testbed(nodes=side.nodes, ranks_per_node=1, bandwidth=args.bandwidth, node_cpu=cpu, node_memory=memory) as bed:
-        result = bed.run(worker_argv(side, lr, seed, args, out), timeout=args.run_timeout)
+    print(f"[bench_hetero] {args.scenario}: {tag} on nodes {node_limits(args, side.nodes)}", flush=True)
+    exit_code, nodes = launch(side, worker_argv(side, lr, seed, plan, args, out), args)
     record: dict[str, Any] = {
         "side": side_name,
         "learning_rate": lr,
         "seed": seed,
-        "steps": args.steps,
-        "exit_code": result.exit_code,
+        "steps": plan.steps,
+        "lr_warmup": plan.lr_warmup,
+        "exit_code": exit_code,
         "wall_seconds": time.perf_counter() - started,
-        "nodes": [node_summary(node) for node in result.report.get("nodes", [])],
-        "ok": result.exit_code == 0 and out.is_file(),
+        "nodes": nodes,
+        "ok": exit_code == 0 and out.is_file(),
     }
     if record["ok"]:
         record["worker"] = json.loads(out.read_text())
@@ -221,12 +264,13 @@ def analyse(results: dict[str, Any], margin: float) -> dict[str, Any]:
         finals = [r["worker"]["final_val_loss"] for r in entry["seeds"] if r.get("ok")]
         mean, std = mean_std(finals) if finals else (math.nan, math.nan)
         failures = [{"seed": r["seed"], "exit_code": r["exit_code"], "nodes": r["nodes"]} for r in entry["seeds"]]
+        entry["seeds"] = [r for r in entry["seeds"] if r.get("ok") or r["exit_code"] is not None]  # not run: left out
         summary[side] = {
             "best_lr": entry["best_lr"],
             "final_val_loss_mean": mean,
             "final_val_loss_std": std,
             "finished_seeds": len(finals),
-            "failures": [f for f, r in zip(failures, entry["seeds"], strict=True) if not r.get("ok")],
+            "failures": [f for f in failures if f["exit_code"] not in (0, None)],
             "tiers": next((r["worker"]["tiers"] for r in entry["seeds"] if r.get("ok")), None),
             "micro_batch_sizes": next((r["worker"]["micro_batch_sizes"] for r in entry["seeds"] if r.get("ok")), None),
             "median_step_s": next((r["worker"]["median_step_s"] for r in entry["seeds"] if r.get("ok")), None),
@@ -372,7 +416,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a side's own grid instead of --lrs (e.g. flexdemo-share=2e-3)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of every side (without a budget)")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=None,
+        help="an equal training wall-clock budget instead: each side trains the steps that fill it at its own "
+        "measured median step (a --budget-probe-steps run of the side first), cosine over those steps",
+    )
+    parser.add_argument("--budget-probe-steps", type=int, default=30)
+    parser.add_argument("--evaluations", type=int, default=20, help="with --budget-seconds: evaluations per run")
     parser.add_argument("--lr-warmup", type=int, default=100)
     parser.add_argument("--val-every", type=int, default=100)
     parser.add_argument("--val-batches", type=int, default=8)
@@ -389,6 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --out-dir/runs")
     parser.add_argument("--headline", action="store_true")
+    parser.add_argument(
+        "--stored-only", action="store_true", help="analyse the runs stored under --out-dir; train nothing new"
+    )
     parser.add_argument("--smoke", action="store_true", help="8 steps, one rate, one seed (the CI check)")
     parser.add_argument("--markdown", action="store_true", help="print the docs table of --out-dir/results.json")
     args = parser.parse_args(argv)
@@ -427,6 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nodes": {name: {"cpu": c, "memory_bytes": m} for name, c, m in zip(names, cpu, memory, strict=True)},
         "bandwidth": args.bandwidth,
         "steps": args.steps,
+        "budget_seconds": args.budget_seconds,
         "seeds": args.seeds,
         "lrs": args.grids,
         "memory_calibration": calibration,

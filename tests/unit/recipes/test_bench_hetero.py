@@ -115,7 +115,9 @@ def test_smoke_arguments_and_unknown_sides(tmp_path):
 
 def test_worker_command_carries_the_scenario_model_and_batch(tmp_path):
     args = hetero.parse_args(["--scenario", "memory", "--out-dir", str(tmp_path)])
-    argv = hetero.worker_argv(hetero.SIDES["matformer-auto"], 2e-3, 1, args, tmp_path / "w.json")
+    plan = hetero.side_plan("matformer-auto", args)
+    assert plan == hetero.Plan(2000, 100, 100)  # no budget: --steps for every side
+    argv = hetero.worker_argv(hetero.SIDES["matformer-auto"], 2e-3, 1, plan, args, tmp_path / "w.json")
     assert argv[argv.index("--tiers") + 1] == "auto"
     assert argv[argv.index("--batch-size") + 1] == "16"
     assert '"intermediate_size": 1024' in argv[argv.index("--model-config") + 1]
@@ -136,3 +138,14 @@ def test_markdown_table_has_a_row_per_side_and_names_failures():
     assert len(table) == 4
     assert table[2].startswith("| single | 0.001 | 4.0000 +- 0.0000 (1) | +0.00% |")
     assert table[3].startswith("| ddp | - | failed (exit 137) |")
+
+
+def test_a_wall_clock_budget_gives_each_side_the_steps_its_measured_step_fills(tmp_path):
+    args = hetero.parse_args(["--scenario", "speed", "--budget-seconds", "240", "--reuse", "--out-dir", str(tmp_path)])
+    (tmp_path / "budget").mkdir()
+    (tmp_path / "budget" / "single.json").write_text('{"median_step_s": 0.096, "exit_code": 0}')
+    (tmp_path / "budget" / "ddp.json").write_text('{"median_step_s": 0.9, "exit_code": 0}')
+    (tmp_path / "budget" / "flexdemo.json").write_text('{"median_step_s": null, "exit_code": 1}')
+    assert hetero.side_plan("single", args) == hetero.Plan(2500, 100, 125)
+    assert hetero.side_plan("ddp", args) == hetero.Plan(267, 26, 13)
+    assert hetero.side_plan("flexdemo", args) == hetero.Plan(2000, 100, 100)  # its timing run failed: --steps
