@@ -118,6 +118,15 @@ class MatFormerRuntime(StrategyRuntime):
         self.per_rank = expand_entries(self.owner, self.settings, world_size, num_nodes)
         return self.per_rank
 
+    def auto_choice_report(self) -> str | None:
+        """``tiers="auto"``: what was chosen and why, one line per rank (after :meth:`setup`); None otherwise."""
+        if self.auto_choice is None:
+            return None
+        return (
+            f"{self.owner} tiers=auto chose {self.per_rank} (probe {self.auto_probe_seconds:.1f} s on the slowest "
+            "rank):\n  " + "\n  ".join(self.auto_choice.lines)
+        )
+
     def resolve_launch(self, world: WorldLayout) -> None:
         """Check the tier list against the launch (one entry per rank or per node)."""
         self.resolve_world(world.world_size, world.num_nodes)

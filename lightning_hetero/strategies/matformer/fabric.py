@@ -98,12 +98,9 @@ class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
         self._claim_module(module)
         self.runtime.auto_probe = self._probe
         self.runtime.setup(module, self.root_device, self._current_step)
-        if self.runtime.auto_choice is not None:
-            runtime = self.runtime
-            rank_zero_info(
-                f"MatFormerStrategy tiers=auto chose {runtime.per_rank} (probe {runtime.auto_probe_seconds:.1f} s "
-                "on the slowest rank):\n  " + "\n  ".join(runtime.auto_choice.lines)
-            )
+        report = self.runtime.auto_choice_report()
+        if report is not None:
+            rank_zero_info(report)
         scaler = getattr(self.precision, "scaler", None)
         if self.runtime.heterogeneous and isinstance(self.precision, MixedPrecision) and scaler is not None:
             raise ValueError(

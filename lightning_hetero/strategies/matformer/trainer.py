@@ -96,12 +96,9 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
         assert module is not None
         self.runtime.auto_probe = self._probe_step(module)
         self.runtime.setup(module, self.root_device, self._global_step)
-        if self.runtime.auto_choice is not None:
-            runtime = self.runtime
-            rank_zero_info(
-                f"MatFormerStrategy tiers=auto chose {runtime.per_rank} (probe {runtime.auto_probe_seconds:.1f} s "
-                "on the slowest rank):\n  " + "\n  ".join(runtime.auto_choice.lines)
-            )
+        report = self.runtime.auto_choice_report()
+        if report is not None:
+            rank_zero_info(report)
         if self.runtime.heterogeneous:
             scaler = getattr(self.precision_plugin, "scaler", None)
             if isinstance(self.precision_plugin, MixedPrecision) and scaler is not None:
