@@ -119,7 +119,7 @@ def worker_argv(side: Side, lr: float, seed: int, plan: Plan, args: argparse.Nam
     scenario = SCENARIOS[args.scenario]
     argv = [sys.executable, str(WORKER), *side.worker_args, "--learning-rate", str(lr), "--seed", str(seed)]
     argv += ["--steps", str(plan.steps), "--lr-warmup", str(plan.lr_warmup), "--val-every", str(plan.val_every)]
-    argv += ["--val-batches", str(args.val_batches), "--batch-size", str(scenario["batch_size"])]
+    argv += ["--val-batches", str(args.val_batches), "--batch-size", str(args.batch_size or scenario["batch_size"])]
     argv += ["--seq-len", str(args.seq_len), "--out", str(out)]
     if scenario["model_config"]:
         argv += ["--model-config", json.dumps(scenario["model_config"])]
@@ -430,6 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default: the scenario's)")
     parser.add_argument("--bandwidth", default="100mbit", help="every node link, per direction (tc syntax)")
     parser.add_argument(
         "--small-node-memory",
@@ -484,6 +485,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth": args.bandwidth,
         "steps": args.steps,
         "budget_seconds": args.budget_seconds,
+        "batch_size_per_rank": args.batch_size or SCENARIOS[args.scenario]["batch_size"],
         "seeds": args.seeds,
         "lrs": args.grids,
         "memory_calibration": calibration,
