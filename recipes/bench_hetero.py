@@ -341,7 +341,12 @@ def plot(results: dict[str, Any], directory: Path) -> None:
         axis.axhline(target, color="grey", linestyle=":", label="target (best baseline + margin)")
     axis.set_xlabel("training wall-clock (s)")
     axis.set_ylabel("full model validation loss")
-    axis.set_title(f"{results['scenario']}: nodes {results['nodes']}, link {results['bandwidth']}")
+    nodes = ", ".join(
+        f"{name} {node['cpu']:g} core" + (f" {node['memory_bytes'] / 2**20:.0f} MiB" if node["memory_bytes"] else "")
+        for name, node in results["nodes"].items()
+    )
+    budget = f"{results['budget_seconds']:g} s each" if results.get("budget_seconds") else f"{results['steps']} steps"
+    axis.set_title(f"{results['scenario']}: {nodes}; link {results['bandwidth']}; {budget}", fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(directory / "val_loss_vs_wallclock.png", dpi=120)
