@@ -196,6 +196,8 @@ class MatFormerRuntime(StrategyRuntime):
                 self.rank,
                 self.world_size,
                 self.num_nodes if self.world_size % self.num_nodes == 0 else 1,
+                # mode="demo" keeps an fp32 error-feedback buffer per trained parameter, which the probe does not
+                extra_state_per_parameter_byte=1.0 if self.settings.mode == "demo" else 0.0,
             )
             self.per_rank = list(self.auto_choice.per_rank)
         self.layout = self._build_layout(blocks)

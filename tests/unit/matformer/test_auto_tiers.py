@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_hetero.callbacks.tier_source import callback_tiers
 from lightning_hetero.hetero.measure import peak_memory_bytes, reset_peak_memory
 from lightning_hetero.hetero.tier_settings import AutoTierSettings
+from lightning_hetero.matformer import auto_tiers
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.auto_tiers import ProbeStep, probe_tiers
 from lightning_hetero.matformer.runtime import MatFormerRuntime
@@ -136,6 +137,21 @@ def test_probe_skips_tiers_predicted_over_the_limit():
     assert limited.tiers[3].peak_bytes is not None and limited.tiers[3].step_seconds is not None
     assert limited.tiers[0].peak_bytes is None and limited.tiers[0].step_seconds is None
     assert limited.memory_limit_bytes == limit
+
+
+def test_state_the_probe_does_not_build_is_added_to_each_tier_peak(monkeypatch):
+    """mode="demo": one fp32 error-feedback buffer per trained parameter; the probe adds its bytes to the peak."""
+    model = _model(width=1024)
+    settings = AutoTierSettings(candidates=[0, 1], probe_repeats=1, probe_warmup=0)
+    monkeypatch.setattr(auto_tiers, "_probe_one", lambda *args: (0.1, 10**9))  # a fixed raw peak
+    plain = probe_tiers(model, find_ffns(model), CPU, settings, _step(), rank=0, limit=None)
+    demo = probe_tiers(
+        model, find_ffns(model), CPU, settings, _step(), rank=0, limit=None, extra_state_per_parameter_byte=1.0
+    )
+    full = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert demo.tiers[0].peak_bytes - plain.tiers[0].peak_bytes == full
+    ffn = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".mlp." in name)
+    assert demo.tiers[1].peak_bytes - plain.tiers[1].peak_bytes == pytest.approx(full - ffn / 2, abs=1)
 
 
 # ------------------------------------------------------------------------------------------------ runtime
