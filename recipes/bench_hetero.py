@@ -68,6 +68,11 @@ SIDES = {
     "matformer-auto-1.4": Side(
         "matformer-auto-1.4", ("--side", "matformer", "--tiers", "auto", "--max-slowdown", "1.4"), baseline=False
     ),
+    "matformer-auto-demo-h0.2": Side(
+        "matformer-auto-demo-h0.2",
+        ("--side", "matformer", "--tiers", "auto", "--mode", "demo", "--memory-headroom", "0.2"),
+        baseline=False,
+    ),
     "matformer-share": Side(
         "matformer-share", ("--side", "matformer", "--tiers", "[0, 0]", "--batch-share", "auto"), baseline=False
     ),

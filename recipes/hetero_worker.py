@@ -112,8 +112,9 @@ def build_strategy(args: argparse.Namespace) -> Any:
 
         tiers = args.tiers if args.tiers == "auto" else json.loads(args.tiers)
         options: dict[str, Any] = {"tiers": tiers, "mode": args.mode}
-        if tiers == "auto" and args.max_slowdown is not None:
-            options["auto_tiers"] = AutoTierSettings(max_slowdown=args.max_slowdown)
+        if tiers == "auto":
+            chooser = {"max_slowdown": args.max_slowdown, "memory_headroom": args.memory_headroom}
+            options["auto_tiers"] = AutoTierSettings(**{k: v for k, v in chooser.items() if v is not None})
         if share is not None:
             options["batch_share"] = share
         return MatFormerStrategy(settings=MatFormerSettings(**options))
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--tiers", default="auto", help="matformer: auto, or a JSON list such as [0, 1]")
     parser.add_argument("--mode", default="mean", help="matformer: mean, sign or demo")
     parser.add_argument("--max-slowdown", type=float, default=None, help="matformer tiers auto (default 1.1)")
+    parser.add_argument("--memory-headroom", type=float, default=None, help="matformer tiers auto (default 0.1)")
     parser.add_argument("--batch-share", default=None, help="matformer/flexdemo: auto, or a JSON list of shares")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's beta2 (beta1 0.9)")
