@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 
-from headline import run_metadata, update_headline  # noqa: E402
+from headline import HEADLINE, run_metadata, update_headline  # noqa: E402
 
 WORKER = REPO / "recipes" / "hetero_worker.py"
 MEMORY_MODEL = {"hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6, "num_hidden_layers": 4}
@@ -383,7 +383,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_headline(results: dict[str, Any]) -> None:
+def write_headline(results: dict[str, Any], path: Path = HEADLINE) -> None:
     """The ``hetero_<scenario>`` section of docs/results/headline.json: ours (best side) against the best baseline."""
     analysis = results["analysis"]
     best_baseline = analysis["best_baseline"]
@@ -406,8 +406,12 @@ def write_headline(results: dict[str, Any]) -> None:
             "speedup_time_to_target": entry["speedup_time_to_target"],
             "seeds": results["seeds"],
             "steps": results["steps"],
+            "budget_seconds": results.get("budget_seconds"),
+            "learning_rates": results["lrs"],
+            "finished_seeds": {s: analysis["sides"][s]["finished_seeds"] for s in analysis["sides"]},
             "sides": {s: analysis["sides"][s]["final_val_loss_mean"] for s in analysis["sides"]},
         },
+        path=path,
         revision=results["metadata"]["git_revision"],
     )
 

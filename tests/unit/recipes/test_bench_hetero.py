@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -149,3 +150,33 @@ def test_a_wall_clock_budget_gives_each_side_the_steps_its_measured_step_fills(t
     assert hetero.side_plan("single", args) == hetero.Plan(2500, 100, 125)
     assert hetero.side_plan("ddp", args) == hetero.Plan(267, 26, 13)
     assert hetero.side_plan("flexdemo", args) == hetero.Plan(2000, 100, 100)  # its timing run failed: --steps
+
+
+def test_headline_section_names_the_best_baseline_and_our_best_side(tmp_path):
+    results = {
+        "scenario": "speed",
+        "nodes": {"A": {"cpu": 1.0, "memory_bytes": None}, "B": {"cpu": 0.5, "memory_bytes": None}},
+        "bandwidth": "50mbit",
+        "operating_point": {"R": 8.8},
+        "seeds": [0],
+        "steps": 2000,
+        "budget_seconds": 240.0,
+        "lrs": {"single": [1e-3], "flexdemo-share": [2e-3]},
+        "metadata": {"git_revision": "abc"},
+        "sides": {
+            "single": {"best_lr": 1e-3, "seeds": [_record("single", 0, [(10, 4.0)])]},
+            "flexdemo-share": {"best_lr": 2e-3, "seeds": [_record("flexdemo-share", 0, [(5, 3.9)])]},
+        },
+    }
+    results["analysis"] = hetero.analyse(results, margin=0.01)
+    path = tmp_path / "headline.json"
+    hetero.write_headline(results, path)
+    entry = json.loads(path.read_text())["hetero_speed"]
+    assert (entry["baseline"], entry["ours"], entry["R"], entry["git_revision"]) == (
+        "single",
+        "flexdemo-share",
+        8.8,
+        "abc",
+    )
+    assert entry["baseline_final_val_loss_mean"] == 4.0 and entry["final_val_loss_mean"] == 3.9
+    assert entry["speedup_time_to_target"] == pytest.approx(2.0) and entry["budget_seconds"] == 240.0
