@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -223,7 +222,7 @@ def calibrate_memory(args: argparse.Namespace) -> dict[str, int]:
     peaks = {}
     for name, width in (("full", MEMORY_MODEL["intermediate_size"]), ("tier1", MEMORY_MODEL["intermediate_size"] // 2)):
         out = args.out_dir / "calibration" / f"{name}.json"
-        if not (args.reuse and out.is_file()):
+        if not ((args.reuse or args.stored_only) and out.is_file()):
             config = {**MEMORY_MODEL, "intermediate_size": width}
             argv = [sys.executable, str(WORKER), "--side", "single", "--steps", "20", "--val-every", "20"]
             argv += ["--batch-size", str(SCENARIOS["memory"]["batch_size"]), "--seq-len", str(args.seq_len)]
@@ -267,7 +266,7 @@ def analyse(results: dict[str, Any], margin: float) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for side, entry in results["sides"].items():
         finals = [r["worker"]["final_val_loss"] for r in entry["seeds"] if r.get("ok")]
-        mean, std = mean_std(finals) if finals else (math.nan, math.nan)
+        mean, std = mean_std(finals) if finals else (None, None)  # None, not NaN: results stay strict JSON
         failures = [{"seed": r["seed"], "exit_code": r["exit_code"], "nodes": r["nodes"]} for r in entry["seeds"]]
         entry["seeds"] = [r for r in entry["seeds"] if r.get("ok") or r["exit_code"] is not None]  # not run: left out
         summary[side] = {
@@ -295,8 +294,9 @@ def analyse(results: dict[str, Any], margin: float) -> dict[str, Any]:
     for side in summary:
         own = summary[side].get("time_to_target_s")
         summary[side]["speedup_time_to_target"] = base_time / own if own and base_time else None
-        summary[side]["val_loss_gap_pct"] = 100 * (
-            summary[side]["final_val_loss_mean"] / summary[best]["final_val_loss_mean"] - 1
+        own_loss = summary[side]["final_val_loss_mean"]
+        summary[side]["val_loss_gap_pct"] = (
+            None if own_loss is None else 100 * (own_loss / summary[best]["final_val_loss_mean"] - 1)
         )
     return {"sides": summary, "best_baseline": best, "target": target}
 
