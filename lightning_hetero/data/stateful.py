@@ -181,12 +181,13 @@ class StatefulDataLoader(DataLoader):
             epoch, yielded = max(self._epoch_floor, self._epoch + 1), 0
         else:
             epoch, yielded = self._epoch, self._yielded
+        batch, replicas = self._unit()
         return {
             "version": STATE_VERSION,
             "epoch": epoch,
             "batches_yielded": yielded,
-            "batch_size": self._unit()[0],
-            "num_replicas": self._unit()[1],
+            "batch_size": batch,
+            "num_replicas": replicas,
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
