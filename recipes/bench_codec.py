@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     shapes = parameter_shapes(args.preset, args.vocab_size)
     tensors = [torch.randn(shape, device=device) for shape in shapes]
-    replicator = build_replicator("demo", args.compression, chunk=args.chunk, values=args.values)
+    replicator = build_replicator("demo", args.kept_fraction, chunk=args.chunk, values=args.values)
     dct = ChunkedDCT(args.chunk)
     coefficients = [dct.encode(tensor) for tensor in tensors]
     kept = [replicator._sizes(tensor.shape)[2] for tensor in tensors]
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, help="override the preset's (the benchmarks' Shakespeare BPE: 2048)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--compression", type=float, default=1 / 32)
+    parser.add_argument("--kept-fraction", type=float, default=1 / 32)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--values", default="sign", choices=["fp32", "bf16", "sign", "ternary"])
     parser.add_argument("--replicas", type=int, default=2, help="payloads combined by decode_gathered")

@@ -4,7 +4,7 @@ Two nodes x two ranks (network namespaces joined by tc-shaped veth links; root n
 Shakespeare, every variant from the same seed and data (``recipes/bench_worker.py`` does the training):
 
 - ``hsdp``: stock Lightning ``ModelParallelStrategy`` + FSDP2 HSDP + torch AdamW (the testbed baseline);
-- ``demo`` and ``random`` replicators at compression 1/16, 1/32, 1/64 with bf16 and sign values (FlexDeMoStrategy;
+- ``demo`` and ``random`` replicators at kept_fraction 1/16, 1/32, 1/64 with bf16 and sign values (FlexDeMoStrategy;
   the module's AdamW becomes DecoupledAdamW with the same hyperparameters);
 - ``diloco`` (H = 32 local steps between syncs).
 

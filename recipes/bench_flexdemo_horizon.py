@@ -9,7 +9,7 @@ One command per table (``--topology 2x2``: FlexDeMo vs stock ``ModelParallelStra
 Phases (``recipes/bench_worker.py`` trains every run; variant names: ``recipes/flexdemo_variants.py``):
 
 1. **Tune, seed 0.** The baseline at every ``--baseline-lrs`` and ``--flexdemo`` at every ``--flexdemo-lrs``; then
-   each ``--knobs`` variant (compression, sign vs values, DeMo + DiLoCo) at FlexDeMo's best rate. Same token budget,
+   each ``--knobs`` variant (kept_fraction, sign vs values, DeMo + DiLoCo) at FlexDeMo's best rate. Same token budget,
    same data order, same warmup + cosine schedule for every run.
 2. **Seeds.** The best baseline and the best FlexDeMo setting (lowest final validation loss at seed 0) again at every
    other ``--seeds`` entry (the seed sets the model initialization; the data order is fixed).

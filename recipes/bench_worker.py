@@ -8,8 +8,8 @@ are recorded; rank 0 writes a JSON summary to ``--out``.
     python recipes/bench_worker.py --strategy single --steps 12 --out /tmp/single.json
 
 With ``--val-every N`` the validation loss (``--val-batches`` batches of rank 0's validation shard) is recorded every
-``N`` steps; validation time is not part of the step times. The FlexDeMo flags (``--replicator``, ``--compression``,
-``--values``, ``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--outer-compression``) become the
+``N`` steps; validation time is not part of the step times. The FlexDeMo flags (``--replicator``, ``--kept-fraction``,
+``--values``, ``--chunk``, ``--sync-every``, ``--outer-lr``, ``--outer-momentum``, ``--outer-kept-fraction``) become the
 strategy's ``FlexDeMoSettings.replication`` (``Variant.replication_settings`` in ``recipes/flexdemo_variants.py``);
 ``--no-error-feedback`` hands the strategy a ``DecoupledAdamW`` whose replicator drops what it does not send
 (``recipes/flexdemo_variants.py``).
@@ -154,14 +154,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=["single", "ddp", "hsdp", "flexdemo"], required=True)
     parser.add_argument("--replicator", default="demo", help="flexdemo: demo, random, striding, diloco, full, topk")
-    parser.add_argument("--compression", type=float, default=1 / 32, help="flexdemo: fraction of coefficients kept")
+    parser.add_argument("--kept-fraction", type=float, default=1 / 32, help="flexdemo: fraction of coefficients kept")
     parser.add_argument("--values", default=None, help="flexdemo: fp32, bf16, sign or ternary (replicator default)")
     parser.add_argument("--chunk", type=int, default=None, help="flexdemo demo/topk: block side (default 64)")
-    parser.add_argument("--sync-every", type=int, default=None, help="flexdemo diloco: H (default 1/compression)")
+    parser.add_argument("--sync-every", type=int, default=None, help="flexdemo diloco: H (default 1/kept_fraction)")
     parser.add_argument("--outer-lr", type=float, default=None, help="flexdemo diloco: outer learning rate (0.7)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="flexdemo diloco: outer momentum (0.9)")
     parser.add_argument(
-        "--outer-compression", type=float, default=None, help="flexdemo diloco: DeMo + DiLoCo delta fraction (None)"
+        "--outer-kept-fraction", type=float, default=None, help="flexdemo diloco: DeMo + DiLoCo delta fraction (None)"
     )
     parser.add_argument("--no-error-feedback", action="store_true", help="flexdemo: drop what is not sent")
     parser.add_argument(
@@ -210,14 +210,14 @@ def main() -> None:
             name="worker",
             strategy="flexdemo",
             replicator=args.replicator,
-            compression=args.compression,
+            kept_fraction=args.kept_fraction,
             values=args.values,
             chunk=args.chunk,
             error_feedback=not args.no_error_feedback,
             sync_every=args.sync_every,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
-            outer_compression=args.outer_compression,
+            outer_kept_fraction=args.outer_kept_fraction,
             adamw_exchange=args.adamw_exchange,
         )
         module = OwnReplicatorCausalLM(**options)  # its AdamW becomes DecoupledAdamW with the same hyperparameters
@@ -295,7 +295,7 @@ def main() -> None:
         "mean_wait_s": statistics.fmean(waits) if waits else None,
         "val_losses": validation.losses,
         "replicator": args.replicator if args.strategy == "flexdemo" else None,
-        "compression": args.compression if args.strategy == "flexdemo" else None,
+        "kept_fraction": args.kept_fraction if args.strategy == "flexdemo" else None,
         "values": args.values if args.strategy == "flexdemo" else None,
         "replicator_options": variant.replicator_options() if variant else None,
         "error_feedback": variant.error_feedback if variant else None,

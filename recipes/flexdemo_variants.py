@@ -5,7 +5,7 @@ Grammar (tokens joined by ``-``, an optional ``@<learning rate>`` at the end)::
     variant  := base ["@" LR]                       e.g. demo-1/32-sign-c128@3e-4
     base     := ("ddp" | "hsdp") ["-b" X]           stock Lightning baselines
               | REPLICATOR ("-" option)*            FlexDeMoStrategy with that replicator
-    option   := "1/" N        fraction of coefficients kept (compression 1/N; diloco: default H = N)
+    option   := "1/" N        fraction of coefficients kept (kept_fraction 1/N; diloco: default H = N)
               | VALUES        fp32, bf16, sign or ternary (the wire encoding of the kept values)
               | "c" N         DCT block / top-k chunk side (demo, topk)
               | "noef"        error feedback off: what is not sent is dropped (demo, topk, random, striding)
@@ -73,7 +73,7 @@ class Variant:
     strategy: str  # "ddp", "hsdp" or "flexdemo"
     learning_rate: float | None = None
     replicator: str | None = None
-    compression: float | None = None
+    kept_fraction: float | None = None
     values: str | None = None
     chunk: int | None = None
     error_feedback: bool = True
@@ -82,7 +82,7 @@ class Variant:
     sync_every: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
-    outer_compression: float | None = None
+    outer_kept_fraction: float | None = None
     beta2: float | None = None
 
     @property
@@ -105,14 +105,14 @@ class Variant:
         """Steps between synchronisations (1 for every-step exchanges)."""
         if not self.periodic:
             return 1
-        return self.sync_every or max(1, round(1 / (self.compression or 1 / 32)))
+        return self.sync_every or max(1, round(1 / (self.kept_fraction or 1 / 32)))
 
     def replicator_options(self) -> dict[str, Any]:
         """``build_replicator`` options set by the name (None: the replicator's default)."""
         chunk = "outer_chunk" if self.periodic else "chunk"  # DeMo + DiLoCo: the block side of the delta's DCT
         options = {"values": self.values, chunk: self.chunk, "sync_every": self.sync_every}
         options |= {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
-        options |= {"outer_compression": self.outer_compression}
+        options |= {"outer_kept_fraction": self.outer_kept_fraction}
         return {key: value for key, value in options.items() if value is not None}
 
     def replication_settings(self) -> Any:
@@ -124,9 +124,9 @@ class Variant:
         fields: dict[str, Any] = {"kind": self.replicator, "values": self.values}
         if self.periodic:  # DiLoCo: its period (h<H>, or 1/N meaning H = N) and DeMo + DiLoCo's delta compression
             fields |= {"sync_every": self.period, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
-            fields |= {"outer_kept_fraction": self.outer_compression, "outer_chunk": self.chunk}
+            fields |= {"outer_kept_fraction": self.outer_kept_fraction, "outer_chunk": self.chunk}
         elif self.replicator != "full":
-            fields |= {"kept_fraction": self.compression, "chunk": self.chunk}
+            fields |= {"kept_fraction": self.kept_fraction, "chunk": self.chunk}
         return ReplicationSettings(**{key: value for key, value in fields.items() if value is not None})
 
     def worker_args(self) -> list[str]:
@@ -135,12 +135,12 @@ class Variant:
             args = ["--strategy", self.strategy]
         else:
             args = ["--strategy", "flexdemo", "--replicator", str(self.replicator)]
-            args += ["--compression", str(self.compression)]
+            args += ["--kept-fraction", str(self.kept_fraction)]
             for option, flag in (("values", "--values"), ("chunk", "--chunk"), ("sync_every", "--sync-every")):
                 if getattr(self, option) is not None:
                     args += [flag, str(getattr(self, option))]
             outer = (("outer_lr", "--outer-lr"), ("outer_momentum", "--outer-momentum"))
-            for option, flag in (*outer, ("outer_compression", "--outer-compression")):
+            for option, flag in (*outer, ("outer_kept_fraction", "--outer-kept-fraction")):
                 if getattr(self, option) is not None:
                     args += [flag, str(getattr(self, option))]
             if not self.error_feedback:
@@ -197,7 +197,7 @@ def parse_variant(name: str) -> Variant:
             denominator = int(match.group(1))
             if denominator < 1:
                 raise ValueError(f"variant {name!r}: fraction {token!r} must be 1/N with N >= 1")
-            put("compression", 1 / denominator, token)
+            put("kept_fraction", 1 / denominator, token)
         elif token in VALUES:
             put("values", token, token)
         elif token == "sgd":
@@ -224,7 +224,7 @@ def parse_variant(name: str) -> Variant:
             _only(name, token, replicator, ("diloco",), "DeMo + DiLoCo's delta fraction")
             if int(match.group(1)) < 1:
                 raise ValueError(f"variant {name!r}: {token!r} must be demo1/N with N >= 1")
-            put("outer_compression", 1 / int(match.group(1)), token)
+            put("outer_kept_fraction", 1 / int(match.group(1)), token)
         elif token in REPLICATORS:
             raise ValueError(
                 f"variant {name!r}: {replicator} and {token} cannot be combined (an optimizer holds one replicator);"
@@ -232,15 +232,15 @@ def parse_variant(name: str) -> Variant:
             )
         else:
             raise ValueError(f"variant {name!r}: unknown option {token!r}; {GRAMMAR_HELP}")
-    if replicator == "diloco" and "chunk" in fields and "outer_compression" not in fields:
+    if replicator == "diloco" and "chunk" in fields and "outer_kept_fraction" not in fields:
         raise ValueError(f"variant {name!r}: DiLoCo takes c<chunk> only with demo1/N (the DCT of its delta)")
-    if replicator == "diloco" and "sync_every" in fields and "compression" in fields:
+    if replicator == "diloco" and "sync_every" in fields and "kept_fraction" in fields:
         raise ValueError(f"variant {name!r}: give DiLoCo's period once, as h<H> or as 1/N (which means H = N)")
     if fields.get("optimizer") == "sgd" and "adamw_exchange" in fields:
         raise ValueError(f"variant {name!r}: xgrad/xpre set how AdamW is exchanged; drop it or sgd (DeMoSGD)")
-    if replicator == "full" and "compression" in fields:
+    if replicator == "full" and "kept_fraction" in fields:
         raise ValueError(f"variant {name!r}: 'full' sends everything; drop the fraction (use values to compress)")
-    fields.setdefault("compression", 1 / 32)
+    fields.setdefault("kept_fraction", 1 / 32)
     return Variant(name=name, strategy="flexdemo", learning_rate=learning_rate, replicator=replicator, **fields)
 
 
@@ -279,9 +279,9 @@ def build_variant_replicator(variant: Variant) -> Any:
 
     if variant.baseline:
         raise ValueError(f"variant {variant.name!r} is a stock baseline and has no replicator")
-    compression = float(variant.compression or 1 / 32)
+    kept_fraction = float(variant.kept_fraction or 1 / 32)
     if variant.error_feedback:
-        return build_replicator(str(variant.replicator), compression, **variant.replicator_options())
+        return build_replicator(str(variant.replicator), kept_fraction, **variant.replicator_options())
     base = REPLICATORS[str(variant.replicator)]
 
     class NoErrorFeedback(base):  # type: ignore[misc, valid-type]
@@ -291,4 +291,4 @@ def build_variant_replicator(variant: Variant) -> Any:
             return piece
 
     NoErrorFeedback.__name__ = NoErrorFeedback.__qualname__ = f"NoErrorFeedback{base.__name__}"
-    return NoErrorFeedback(compression, **variant.replicator_options())
+    return NoErrorFeedback(kept_fraction, **variant.replicator_options())

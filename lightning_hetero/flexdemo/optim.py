@@ -70,7 +70,7 @@ class DeMoSGD(ReplicatingOptimizer):
         weight_decay: Decoupled weight decay ``lambda``: ``theta <- theta * (1 - lr * lambda)`` before the step.
         sign: Apply ``sign`` to the combined update (DeMo: always).
         replicator: Replicator or name; default ``"demo"``.
-        compression: Fraction kept, for a replicator built by name.
+        kept_fraction: Fraction kept, for a replicator built by name.
         **replicator_options: Options for a replicator built by name (``values``, ``chunk``, ``index_bits``, ...).
     """
 
@@ -84,7 +84,7 @@ class DeMoSGD(ReplicatingOptimizer):
         weight_decay: float = 0.0,
         sign: bool = True,
         replicator: Replicator | str | None = None,
-        compression: float = 1 / 32,
+        kept_fraction: float = 1 / 32,
         **replicator_options: Any,
     ) -> None:
         _check("lr", lr, 0.0)
@@ -92,7 +92,7 @@ class DeMoSGD(ReplicatingOptimizer):
         _check("weight_decay", weight_decay, 0.0)
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "sign": bool(sign)}
         super().__init__(
-            params, defaults, replicator=replicator, compression=compression, replicator_options=replicator_options
+            params, defaults, replicator=replicator, kept_fraction=kept_fraction, replicator_options=replicator_options
         )
 
     def _source(self, state: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -124,7 +124,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
             ``"gradient"`` (the raw gradient with error feedback; Adam runs on the combined gradient, its moments
             identical on every replica). Full and DiLoCo replication ignore it.
         replicator: Replicator or name; default ``"full"`` (== torch AdamW on the replica-mean gradient).
-        compression: Fraction kept, for a replicator built by name.
+        kept_fraction: Fraction kept, for a replicator built by name.
         **replicator_options: Options for a replicator built by name.
     """
 
@@ -140,7 +140,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
         sign: bool = False,
         exchange: Literal["direction", "preconditioned", "gradient"] = "preconditioned",
         replicator: Replicator | str | None = None,
-        compression: float = 1 / 32,
+        kept_fraction: float = 1 / 32,
         **replicator_options: Any,
     ) -> None:
         _check("lr", lr, 0.0)
@@ -159,7 +159,7 @@ class DecoupledAdamW(ReplicatingOptimizer):
             "exchange": exchange,
         }
         super().__init__(
-            params, defaults, replicator=replicator, compression=compression, replicator_options=replicator_options
+            params, defaults, replicator=replicator, kept_fraction=kept_fraction, replicator_options=replicator_options
         )
         self.contribution_weight = 1.0
         """This replica's weight in the mean of what the replicas send (a batch share's ``W n_r / N``; 1 without).

@@ -72,7 +72,7 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
         params: Parameters or parameter groups (plain tensors or FSDP2 DTensors).
         defaults: Per-group hyperparameters.
         replicator: A :class:`Replicator`, a name for :func:`build_replicator`, or None for the class default.
-        compression: Passed to :func:`build_replicator` when ``replicator`` is a name or None.
+        kept_fraction: Passed to :func:`build_replicator` when ``replicator`` is a name or None.
         replicator_options: Passed to :func:`build_replicator` likewise.
     """
 
@@ -84,11 +84,11 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         replicator: Replicator | str | None,
-        compression: float,
+        kept_fraction: float,
         replicator_options: dict[str, Any],
     ) -> None:
         super().__init__(params, defaults)
-        self.replicator = self._resolve_replicator(replicator, compression, replicator_options)
+        self.replicator = self._resolve_replicator(replicator, kept_fraction, replicator_options)
         self.replicator.attach(self)
         self._bound = False
         self._step_open = False
@@ -100,7 +100,7 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------------------------------------- set up
     def _resolve_replicator(
-        self, replicator: Replicator | str | None, compression: float, options: dict[str, Any]
+        self, replicator: Replicator | str | None, kept_fraction: float, options: dict[str, Any]
     ) -> Replicator:
         if isinstance(replicator, Replicator):
             if options:
@@ -110,7 +110,7 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
                 )
             return replicator
         if replicator is None or isinstance(replicator, str):
-            return build_replicator(replicator or self.default_replicator, compression, **options)
+            return build_replicator(replicator or self.default_replicator, kept_fraction, **options)
         raise TypeError(f"replicator must be a Replicator, a name or None, got {type(replicator).__name__}.")
 
     def bind(self, group: Any | None, replicator: Replicator | None = None) -> None:

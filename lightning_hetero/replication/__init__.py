@@ -4,7 +4,7 @@ The floor that FlexDeMo's optimizers and MatFormer's ``demo`` aggregation both b
 (:mod:`~lightning_hetero.replication.transforms`) and the replicators (:mod:`~.base`, :mod:`~.sparse`, :mod:`~.dense`,
 :mod:`~.diloco`). It imports only torch and :mod:`lightning_hetero.comm`, never a method package.
 :class:`~.settings.ReplicationSettings` holds a replicator's typed settings and builds it
-(``ReplicationSettings(kind="demo", kept_fraction=1/32).build()``); ``build_replicator(name, compression, **options)``
+(``ReplicationSettings(kind="demo", kept_fraction=1/32).build()``); ``build_replicator(name, kept_fraction, **options)``
 builds one by name for the optimizers' own keyword arguments; :data:`REPLICATORS` maps names to classes.
 See ``docs/flexdemo.md`` for the math and the payload formulas.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from lightning_hetero.replication.base import Bucket, Piece, Replicator, kept_count, validate_compression
+from lightning_hetero.replication.base import Bucket, Piece, Replicator, kept_count, validate_kept_fraction
 from lightning_hetero.replication.dense import (
     FullReplicator,
     RandomReplicator,
@@ -41,35 +41,35 @@ __all__ = [
     "build_replicator",
     "coordinate_schedule",
     "kept_count",
-    "validate_compression",
+    "validate_kept_fraction",
 ]
 
 
-def build_replicator(name: str, compression: float = 1 / 32, **options: Any) -> Replicator:
+def build_replicator(name: str, kept_fraction: float = 1 / 32, **options: Any) -> Replicator:
     """Build the replicator registered as ``name``.
 
     Args:
         name: One of :data:`REPLICATORS` (``"demo"``, ``"random"``, ``"striding"``, ``"diloco"``, ``"full"``,
             ``"topk"``), case-insensitive.
-        compression: Fraction of coefficients kept, in ``(0, 1]`` (ignored by ``"full"``; sets DiLoCo's default
-            ``sync_every = round(1 / compression)``).
+        kept_fraction: Fraction of coefficients kept, in ``(0, 1]`` (ignored by ``"full"``; sets DiLoCo's default
+            ``sync_every = round(1 / kept_fraction)``).
         **options: Replicator options: ``values``, ``seed``; ``chunk``, ``index_bits``, ``combine`` (demo, topk);
             ``sync_every``, ``outer_lr``, ``outer_momentum`` (diloco). Options set to None are dropped (the
             replicator's default applies), so a strategy can pass one flat set of options; any other option the
             replicator does not take raises.
 
     Raises:
-        ValueError: Unknown name or option, or an invalid value (compression, chunk, index_bits, values, ...).
+        ValueError: Unknown name or option, or an invalid value (kept_fraction, chunk, index_bits, values, ...).
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in REPLICATORS:
         raise ValueError(f"replicator must be one of {sorted(REPLICATORS)}, got {name!r}.")
     cls = REPLICATORS[key]
     options = {option: value for option, value in options.items() if value is not None}
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "compression"}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "kept_fraction"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise ValueError(
-            f"replicator {key!r} does not take option(s) {unknown}; it accepts {sorted(accepted)} (and compression)."
+            f"replicator {key!r} does not take option(s) {unknown}; it accepts {sorted(accepted)} (and kept_fraction)."
         )
-    return cls(compression, **options)
+    return cls(kept_fraction, **options)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_hetero import comm
 from lightning_hetero.comm.codecs import validate_value_encoding
+from lightning_hetero.comm.timing import union_seconds, wall_clock
 from lightning_hetero.comm.validation import (
     MAX_PEER_MAGNITUDE,
     PeerPayloadError,
@@ -48,25 +49,25 @@ __all__ = [
     "Replicator",
     "check_combined",
     "kept_count",
-    "validate_compression",
+    "validate_kept_fraction",
 ]
 
 
-def validate_compression(compression: object) -> float:
-    """Return ``compression`` as a float in ``(0, 1]`` or raise a ValueError naming the argument."""
-    if isinstance(compression, bool) or not isinstance(compression, (int, float)) or not 0 < compression <= 1:
+def validate_kept_fraction(kept_fraction: object) -> float:
+    """Return ``kept_fraction`` as a float in ``(0, 1]`` or raise a ValueError naming the argument."""
+    if isinstance(kept_fraction, bool) or not isinstance(kept_fraction, (int, float)) or not 0 < kept_fraction <= 1:
         raise ValueError(
-            f"compression must be a number in (0, 1] (the fraction of coefficients kept, e.g. 1/32 = 0.03125),"
-            f" got {compression!r}."
+            f"kept_fraction must be a number in (0, 1] (the fraction of coefficients kept, e.g. 1/32 = 0.03125),"
+            f" got {kept_fraction!r}."
         )
-    return float(compression)
+    return float(kept_fraction)
 
 
-def kept_count(compression: float, size: int) -> int:
-    """Coefficients kept out of ``size`` at ``compression``: ``floor(compression * size)``, at least 1 (0 if empty)."""
+def kept_count(kept_fraction: float, size: int) -> int:
+    """Coefficients kept out of ``size``: ``floor(kept_fraction * size)``, at least 1 (0 if empty)."""
     if size <= 0:
         return 0
-    return max(1, min(size, int(compression * size + 1e-9)))  # the epsilon absorbs 0.07 * 100 = 7.000000000000001
+    return max(1, min(size, int(kept_fraction * size + 1e-9)))  # the epsilon absorbs 0.07 * 100 = 7.000000000000001
 
 
 @dataclass
@@ -93,8 +94,18 @@ class Bucket:
     output: torch.Tensor
     work: Any | None
     launched_at: float
+    """:func:`~lightning_hetero.comm.timing.wall_clock` reading when the exchange started."""
     early: bool
     offsets: list[int]
+    completed_at: float | None = None
+    """For an exchange that already finished when ``launch`` returned (synchronous, nothing overlaps it): the
+    :func:`~lightning_hetero.comm.timing.wall_clock` reading at its end, all of it counted as waited."""
+
+    def __post_init__(self) -> None:
+        if not self.launched_at > 0.0:
+            raise ValueError(
+                f"Bucket.launched_at must be a wall_clock() reading taken before the exchange, got {self.launched_at}."
+            )
 
 
 def check_combined(combined: torch.Tensor, key: int, source: str, peer: int | None = None) -> None:
@@ -128,7 +139,7 @@ class Replicator(ABC):
     """Exchange (compressed) local tensors over the replicate group; decode one combined tensor per parameter.
 
     Args:
-        compression: Fraction of coefficients kept, in ``(0, 1]``.
+        kept_fraction: Fraction of coefficients kept, in ``(0, 1]``.
         values: Value encoding on the wire: ``"fp32"``, ``"bf16"``, ``"sign"`` (1 bit + per-row scale) or
             ``"ternary"`` (2 bits + per-row scale); see :mod:`lightning_hetero.comm.codecs`.
         seed: Seed of replicators that select coordinates pseudo-randomly (the same on every replica).
@@ -143,8 +154,8 @@ class Replicator(ABC):
     (Full, DiLoCo). False: it hands over its local update buffer, which the replicator compresses with error
     feedback (what was sent is subtracted from the buffer in place)."""
 
-    def __init__(self, compression: float = 1 / 32, *, values: str = "fp32", seed: int = 0) -> None:
-        self.compression = validate_compression(compression)
+    def __init__(self, kept_fraction: float = 1 / 32, *, values: str = "fp32", seed: int = 0) -> None:
+        self.kept_fraction = validate_kept_fraction(kept_fraction)
         self.values = validate_value_encoding(values)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}.")
@@ -193,7 +204,7 @@ class Replicator(ABC):
 
     def describe(self) -> dict[str, Any]:
         """The configuration, for logs."""
-        return {"name": self.name, "compression": self.compression, "values": self.values, "seed": self.seed}
+        return {"name": self.name, "kept_fraction": self.kept_fraction, "values": self.values, "seed": self.seed}
 
     # ------------------------------------------------------------------------------------------ step hooks
     def start_step(self, params: Sequence[tuple[int, torch.Tensor]]) -> None:
@@ -207,6 +218,7 @@ class Replicator(ABC):
     def _reset_stats(self) -> None:
         self.stats = {"wait_seconds": 0.0, "comm_seconds": 0.0, "encode_seconds": 0.0, "decode_seconds": 0.0}
         self.stats.update({"buckets": 0, "payload_bytes": 0})
+        self._comm_spans: list[tuple[float, float]] = []  # [launched, completed] per bucket of this step
 
     # --------------------------------------------------------------------------------------- encode/decode
     @abstractmethod
@@ -273,7 +285,7 @@ class Replicator(ABC):
             device = pieces[0].wire.device if pieces else torch.device("cpu")
             buffer = torch.empty(0, dtype=torch.uint8 if kind == "gather" else torch.float32, device=device)
         work, output = None, buffer
-        launched_at = time.perf_counter()
+        launched_at = wall_clock()
         if self.num_replicas > 1 and total:
             if kind == "gather":
                 output = buffer.new_empty(self.num_replicas * total)
@@ -286,12 +298,17 @@ class Replicator(ABC):
 
     def finish(self, bucket: Bucket) -> list[torch.Tensor]:
         """Wait for ``bucket``'s collective and decode one combined float32 tensor per piece (same on every replica)."""
-        if bucket.work is not None:
-            started = time.perf_counter()
+        if bucket.completed_at is not None:  # synchronous: the caller waited for all of it, nothing was hidden
+            self.stats["wait_seconds"] += bucket.completed_at - bucket.launched_at
+            self._comm_spans.append((bucket.launched_at, bucket.completed_at))
+        elif bucket.work is not None:
+            started = wall_clock()
             bucket.work.wait()
-            done = time.perf_counter()
+            done = wall_clock()
             self.stats["wait_seconds"] += done - started
-            self.stats["comm_seconds"] += done - bucket.launched_at
+            self._comm_spans.append((bucket.launched_at, done))
+        # Time with any exchange in flight: overlapping buckets count once, so it never exceeds the step's duration.
+        self.stats["comm_seconds"] = union_seconds(self._comm_spans)
         started = time.perf_counter()
         total = bucket.buffer.numel()
         results = []

@@ -5,7 +5,7 @@
 - :class:`StridingReplicator`: every ``P``-th coordinate with an offset that rotates by one each step.
 - :class:`FullReplicator`: every coordinate (the full-sync baseline in the same code path).
 
-Each parameter (flattened local shard of ``N`` elements) sends ``k = max(1, floor(compression * N))`` slots per step.
+Each parameter (flattened local shard of ``N`` elements) sends ``k = max(1, floor(kept_fraction * N))`` slots per step.
 Random and Striding cover the coordinates in cycles of ``P = ceil(N / k)`` steps; within a cycle every coordinate is
 sent exactly once (slots beyond ``N`` in the last step of a cycle carry zeros and are ignored, so the payload has the
 same size every step). Values travel as fp32/bf16 in one ``all_reduce(sum)`` per bucket (traffic independent of the
@@ -46,7 +46,7 @@ class _DenseValueReplicator(Replicator):
         return "reduce" if self.values in ("fp32", "bf16") else "gather"
 
     def _slots(self, numel: int) -> int:
-        return kept_count(self.compression, numel)
+        return kept_count(self.kept_fraction, numel)
 
     def payload_bytes(self, local_shapes: Sequence[torch.Size | tuple[int, ...]]) -> int:
         """Sum over parameters of the packed slot values (one scale per parameter for sign/ternary)."""
@@ -189,7 +189,7 @@ class RandomReplicator(_ScheduledReplicator):
     """Shared-seed pseudo-random coordinates, dense exchange of just their values (no indices sent).
 
     Args:
-        compression: Fraction of each parameter's coordinates sent per step.
+        kept_fraction: Fraction of each parameter's coordinates sent per step.
         values: ``"fp32"``/``"bf16"`` (all_reduce) or ``"sign"``/``"ternary"`` (all_gather, one scale per tensor).
         seed: Shared seed; the selection depends only on ``(seed, parameter position, step)``.
     """
@@ -202,7 +202,7 @@ class StridingReplicator(_ScheduledReplicator):
     """Every ``P``-th coordinate with a rotating offset: full coverage every ``ceil(N / k)`` steps.
 
     Args:
-        compression: Fraction of each parameter's coordinates sent per step.
+        kept_fraction: Fraction of each parameter's coordinates sent per step.
         values: As for :class:`RandomReplicator`.
         seed: Unused.
     """
@@ -212,7 +212,7 @@ class StridingReplicator(_ScheduledReplicator):
 
 
 class FullReplicator(_DenseValueReplicator):
-    """Dense mean of the local gradients over replicas: the full-sync baseline (``compression`` is ignored).
+    """Dense mean of the local gradients over replicas: the full-sync baseline (``kept_fraction`` is ignored).
 
     With fp32 values the optimizer state then evolves exactly as a single optimizer on the replica-mean gradient
     (``DecoupledAdamW`` + Full == ``torch.optim.AdamW`` on the mean gradient). bf16/sign/ternary values quantize

@@ -13,24 +13,24 @@ replica) and ``theta_r`` replica ``r``'s parameters after its ``H`` local (inner
 parameter averaging every ``H`` steps. The inner steps exchange nothing (the optimizer's local state, e.g. Adam moments
 or DeMo momentum, stays local), so bytes flow only on steps ``H, 2H, ...``: one ``all_reduce`` of every parameter's
 delta (fp32/bf16), or an all_gather of sign/ternary-packed deltas (one scale per tensor, no error feedback).
-``sync_every`` defaults to ``round(1 / compression)`` so that the average bytes per step are ``compression`` times
+``sync_every`` defaults to ``round(1 / kept_fraction)`` so that the average bytes per step are ``kept_fraction`` times
 those of a dense fp32 exchange.
 
-DeMo + DiLoCo (``outer_compression``): the synchronising step sends, instead of the whole delta, the top-k of the
+DeMo + DiLoCo (``outer_kept_fraction``): the synchronising step sends, instead of the whole delta, the top-k of the
 chunked DCT of ``e + (theta_0 - theta_r)`` (DeMo's encoder, error feedback ``e`` kept per parameter: what was not
 sent this period is sent in a later one), and ``Delta`` is the replica mean of the decoded coefficients. Bytes then
-shrink twice: by ``H`` (steps without exchange) and by ``outer_compression`` (the delta's payload).
+shrink twice: by ``H`` (steps without exchange) and by ``outer_kept_fraction`` (the delta's payload).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from lightning_hetero.replication.base import Bucket, Piece, validate_compression
+from lightning_hetero.comm.timing import wall_clock
+from lightning_hetero.replication.base import Bucket, Piece, validate_kept_fraction
 from lightning_hetero.replication.dense import FullReplicator
 from lightning_hetero.replication.sparse import DeMoReplicator
 
@@ -41,14 +41,14 @@ class DiLoCoReplicator(FullReplicator):
     """Local steps plus a periodic outer Nesterov step on the replica-mean parameter delta (optionally DCT top-k sent).
 
     Args:
-        compression: Sets the default ``sync_every = max(1, round(1 / compression))``.
+        kept_fraction: Sets the default ``sync_every = max(1, round(1 / kept_fraction))``.
         sync_every: ``H``, local steps between synchronisations.
         outer_lr: Outer learning rate ``eta_out`` (DiLoCo paper: 0.7).
         outer_momentum: Outer Nesterov momentum ``mu`` (DiLoCo paper: 0.9).
-        values: Encoding of the delta on the wire (with ``outer_compression``: of its kept DCT coefficients).
-        outer_compression: DeMo + DiLoCo: send only this fraction of the delta's chunked-DCT coefficients (top-k
+        values: Encoding of the delta on the wire (with ``outer_kept_fraction``: of its kept DCT coefficients).
+        outer_kept_fraction: DeMo + DiLoCo: send only this fraction of the delta's chunked-DCT coefficients (top-k
             per chunk, with error feedback) at each synchronisation. None (default): the whole delta.
-        outer_chunk: DCT block side of the compressed delta (only with ``outer_compression``).
+        outer_chunk: DCT block side of the compressed delta (only with ``outer_kept_fraction``).
         seed: Unused.
     """
 
@@ -57,30 +57,30 @@ class DiLoCoReplicator(FullReplicator):
 
     def __init__(
         self,
-        compression: float = 1 / 32,
+        kept_fraction: float = 1 / 32,
         *,
         sync_every: int | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         values: str = "fp32",
-        outer_compression: float | None = None,
+        outer_kept_fraction: float | None = None,
         outer_chunk: int = 64,
         seed: int = 0,
     ) -> None:
-        super().__init__(compression, values=values, seed=seed)
+        super().__init__(kept_fraction, values=values, seed=seed)
         self.outer_codec: DeMoReplicator | None = None
         """DeMo's encoder for the delta (DeMo + DiLoCo), or None for the dense delta."""
-        if outer_compression is not None:
+        if outer_kept_fraction is not None:
             try:
-                validate_compression(outer_compression)
+                validate_kept_fraction(outer_kept_fraction)
             except ValueError as error:
                 raise ValueError(f"outer_{error}") from None
-            self.outer_codec = DeMoReplicator(outer_compression, chunk=outer_chunk, values=values)
+            self.outer_codec = DeMoReplicator(outer_kept_fraction, chunk=outer_chunk, values=values)
         elif outer_chunk != 64:
-            raise ValueError("outer_chunk only applies with outer_compression (DeMo + DiLoCo); set both or neither.")
+            raise ValueError("outer_chunk only applies with outer_kept_fraction (DeMo + DiLoCo); set both or neither.")
         self.outer_residuals: dict[int, torch.Tensor] = {}
         if sync_every is None:
-            sync_every = max(1, round(1 / self.compression))
+            sync_every = max(1, round(1 / self.kept_fraction))
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer (local steps per sync), got {sync_every!r}.")
         if not outer_lr > 0:
@@ -99,7 +99,7 @@ class DiLoCoReplicator(FullReplicator):
         base = {k: v for k, v in super().describe().items() if k != "seed"}
         outer = {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
         if self.outer_codec is not None:
-            outer.update(outer_compression=self.outer_codec.compression, outer_chunk=self.outer_codec.chunk)
+            outer.update(outer_kept_fraction=self.outer_codec.kept_fraction, outer_chunk=self.outer_codec.chunk)
         return {**base, **outer}
 
     def setup(self, group: Any | None) -> None:
@@ -129,7 +129,7 @@ class DiLoCoReplicator(FullReplicator):
         """Inner steps are local: nothing is sent, the "combined" gradient is the local one."""
         self.stats["buckets"] += 1
         empty = torch.empty(0)
-        return Bucket(pieces, "local", empty, empty, None, time.perf_counter(), early, [0] * len(pieces))
+        return Bucket(pieces, "local", empty, empty, None, wall_clock(), early, [0] * len(pieces))
 
     def finish(self, bucket: Bucket) -> list[torch.Tensor]:
         """The local tensors themselves."""
@@ -175,7 +175,7 @@ class DiLoCoReplicator(FullReplicator):
     def _exchange_deltas(self, deltas: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         """DeMo + DiLoCo: DCT top-k of (residual + delta), error feedback into the residual, replica-mean decode."""
         codec = self.outer_codec
-        assert codec is not None  # only called with outer_compression
+        assert codec is not None  # only called with outer_kept_fraction
         codec._reset_stats()
         pieces = []
         for key, delta in deltas:

@@ -187,7 +187,7 @@ class ReplicationSettings:
                 outer_lr=self.outer_lr,
                 outer_momentum=self.outer_momentum,
                 values=self.values,
-                outer_compression=self.outer_kept_fraction,
+                outer_kept_fraction=self.outer_kept_fraction,
                 outer_chunk=self.outer_chunk,
             )
         if kind in ("random", "striding"):

@@ -12,7 +12,7 @@ replicas (``combine="mean"``, default) or by the number of ranks that picked eac
 transform.
 
 Wire per parameter: ``index_nbytes(B * k, index_bits) + value_nbytes(B * k, values, rows=B)`` bytes, ``B`` the
-number of chunks and ``k = max(1, floor(compression * chunk_numel))``; indices address a position inside a chunk,
+number of chunks and ``k = max(1, floor(kept_fraction * chunk_numel))``; indices address a position inside a chunk,
 so 12-bit indices need chunks of at most 4096 coefficients (``chunk <= 64``) and 16-bit ones at most 65536
 (``chunk <= 256``).
 """
@@ -49,7 +49,7 @@ class _SparseReplicator(Replicator):
 
     def __init__(
         self,
-        compression: float = 1 / 32,
+        kept_fraction: float = 1 / 32,
         *,
         chunk: int = 64,
         values: str = "fp32",
@@ -57,7 +57,7 @@ class _SparseReplicator(Replicator):
         combine: str = "mean",
         seed: int = 0,
     ) -> None:
-        super().__init__(compression, values=values, seed=seed)
+        super().__init__(kept_fraction, values=values, seed=seed)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= _MAX_CHUNK:
             raise ValueError(
                 f"chunk must be an integer in [1, {_MAX_CHUNK}] (the block side; chunk * chunk coefficients per"
@@ -89,7 +89,7 @@ class _SparseReplicator(Replicator):
     def _sizes(self, shape: Sequence[int]) -> tuple[int, int, int, int]:
         """``(n_blocks, block_numel, k, nbytes_of_indices)`` for a local shape."""
         layout = self.transform.layout(tuple(shape))
-        k = kept_count(self.compression, layout.block_numel)
+        k = kept_count(self.kept_fraction, layout.block_numel)
         count = layout.n_blocks * k
         return layout.n_blocks, layout.block_numel, k, index_nbytes(count, self.index_bits)
 
@@ -160,7 +160,7 @@ class DeMoReplicator(_SparseReplicator):
     """DeMo: top-k of the chunked orthonormal DCT-II of the local momentum, with error feedback, all-gathered.
 
     Args:
-        compression: Fraction of DCT coefficients kept per chunk (``k = max(1, floor(compression * chunk_numel))``).
+        kept_fraction: Fraction of DCT coefficients kept per chunk (``k = max(1, floor(kept_fraction * chunk_numel))``).
         chunk: DCT block side: ``chunk x chunk`` blocks on matrices, ``chunk`` on vectors (smaller dims: their size).
         values: ``"fp32"``, ``"bf16"``, ``"sign"`` or ``"ternary"`` (sign/ternary: one fp32 scale per chunk).
         index_bits: 12 or 16; default 12 when ``chunk * chunk <= 4096`` else 16.

@@ -48,7 +48,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "sync_every": 4,
         "outer_lr": 0.8,
         "outer_momentum": 0.5,
-        "outer_compression": 0.25,
+        "outer_kept_fraction": 0.25,
         "outer_chunk": 4,
     },
 }
@@ -102,8 +102,8 @@ def _make(kind: str, name: str, params: list[torch.nn.Parameter], **extra: Any) 
     kwargs = {"lr": LR} if kind == "sgd" else {"lr": LR, "weight_decay": 0.1}
     if kind == "sgd":
         kwargs["weight_decay"] = 0.05
-    replicator = name.partition("-")[0]  # "diloco-demo" is the diloco replicator with outer_compression
-    options.setdefault("compression", COMPRESSION)
+    replicator = name.partition("-")[0]  # "diloco-demo" is the diloco replicator with outer_kept_fraction
+    options.setdefault("kept_fraction", COMPRESSION)
     optimizer = OPTIMIZERS[kind](params, replicator=replicator, **kwargs, **options)
     optimizer.bind(dist.group.WORLD)
     return optimizer
@@ -258,7 +258,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                 momentum=0.9,
                 sign=sign,
                 replicator="demo",
-                compression=COMPRESSION,
+                kept_fraction=COMPRESSION,
                 chunk=4,
                 combine=combine,
             )
@@ -273,7 +273,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     _train(optimizer, params, rank, range(10))
     out["adamw-full"] = _max_diff(params, _reference_adamw_mean(world_size, 10))
     params = _init_params()  # exchange="gradient" keeping every value: the same torch AdamW on the mean gradient
-    optimizer = _make("adamw-gradient", "topk", params, compression=1.0)
+    optimizer = _make("adamw-gradient", "topk", params, kept_fraction=1.0)
     _train(optimizer, params, rank, range(10))
     out["adamw-gradient-keep-all"] = _max_diff(params, _reference_adamw_mean(world_size, 10))
 
@@ -284,7 +284,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     _train(optimizer, params, rank, range(6, 8))
     out["diloco-synced"] = _max_diff(params, _reference_diloco(world_size, 8, rank))
     params = _init_params()  # DeMo + DiLoCo keeping every DCT coefficient: the same outer steps (DCT round trip)
-    optimizer = _make("adamw", "diloco-demo", params, outer_compression=1.0)
+    optimizer = _make("adamw", "diloco-demo", params, outer_kept_fraction=1.0)
     _train(optimizer, params, rank, range(8))
     out["diloco-demo-keep-all"] = _max_diff(params, _reference_diloco(world_size, 8, rank))
 
@@ -352,7 +352,7 @@ def test_ledger_payload_matches_formula(results: tuple[int, list[dict[str, Any]]
 
 
 def test_payload_formulas_by_hand() -> None:
-    # demo chunk 4, compression 1/4: (10, 6) -> 3 x 2 blocks of 16 (k=4): 24 coefficients; (10,) -> 3 chunks of 4
+    # demo chunk 4, kept_fraction 1/4: (10, 6) -> 3 x 2 blocks of 16 (k=4): 24 coefficients; (10,) -> 3 chunks of 4
     # (k=1): 3; (3, 10) -> 1 x 3 blocks of 3x4 (k=3): 9; (2, 15) -> 1 x 4 blocks of 2x4 (k=2): 8; empty: 0.
     counts, rows = [24, 3, 9, 8], [6, 3, 3, 4]
     demo = build_replicator("demo", 0.25, chunk=4, values="bf16")

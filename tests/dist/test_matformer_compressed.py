@@ -1,8 +1,8 @@
 """``aggregate_gradients(mode="demo")`` on 4 spawned gloo ranks with tiers ``[0, 0, 1, 2]``.
 
 One launch runs every scenario; the module fixture keeps the per-rank results and each test asserts one property with
-a known answer: compression 1 equals ``mean`` (plain and weighted, with NaN in the untrained tails of full-size
-gradients, which would poison every result if they were ever encoded); at compression 1/8 the error feedback conserves
+a known answer: kept_fraction 1 equals ``mean`` (plain and weighted, with NaN in the untrained tails of full-size
+gradients, which would poison every result if they were ever encoded); at kept_fraction 1/8 the error feedback conserves
 the gradient mass (the steps' results plus a lossless flush of the residual buffers equal the ``mean`` results summed);
 every holder of a coordinate gets bit-identical values; each rank's ledger bytes equal the DeMo payload formula,
 written out here from the definition; helpers are refused; rank 0 collects every rank's buffers for checkpoints. A
@@ -74,7 +74,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     layout = widths_for(TIERS, H)
     groups = RegionGroups(layout)
     out: dict[str, Any] = {"parity": [], "weighted_parity": []}
-    # compression 1 with fp32 values sends every DCT coefficient: the same as mean up to fp32 round-off.
+    # kept_fraction 1 with fp32 values sends every DCT coefficient: the same as mean up to fp32 round-off.
     for weights, key in ((None, "parity"), (WEIGHTS, "weighted_parity")):
         lossless = CompressedExchange(groups, 1.0)
         for step in range(2):
@@ -84,7 +84,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             demo, mean = _trained(demo, rank), _trained(mean, rank)
             out[key].append(max(float((demo[n] - mean[n]).abs().max()) for n in demo))
         out[f"{key}_finite"] = all(bool(torch.isfinite(v).all()) for v in demo.values())
-    # compression 1/8: lossy per step, but what is not sent stays in the buffers.
+    # kept_fraction 1/8: lossy per step, but what is not sent stays in the buffers.
     exchange = CompressedExchange(groups, 1 / 8)
     summed_demo = {n: torch.zeros_like(g) for n, g in _grads(rank, 0, full_size=False).items()}
     summed_mean = {n: torch.zeros_like(g) for n, g in summed_demo.items()}
@@ -102,7 +102,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             summed_demo[name] += demo[name]
             summed_mean[name] += mean[name]
     out["step_error"] = max(float((summed_demo[n] - summed_mean[n]).abs().max()) for n in summed_demo)
-    # Flush the residuals losslessly: a zero gradient through a compression-1 exchange holding the buffers.
+    # Flush the residuals losslessly: a zero gradient through a kept_fraction-1 exchange holding the buffers.
     flush = CompressedExchange(groups, 1.0)
     flush.load_state_dict(exchange.state_dict())
     zeros = {name: torch.zeros_like(g) for name, g in summed_demo.items()}
@@ -148,12 +148,12 @@ def test_every_holder_of_a_coordinate_gets_bit_identical_values(results):
                 assert torch.equal(value, expected), (rank, step, name)
 
 
-def _slab_payload(shape: tuple[int, ...], compression: float, chunk: int = 64) -> int:
+def _slab_payload(shape: tuple[int, ...], kept_fraction: float, chunk: int = 64) -> int:
     """DeMo bytes of one slab from the definition: 12-bit indices and fp32 values of the top-k per DCT block."""
     rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
     block_rows, block_cols = min(chunk, rows), min(chunk, cols)
     blocks = math.ceil(rows / block_rows) * math.ceil(cols / block_cols)
-    k = max(1, math.floor(compression * block_rows * block_cols + 1e-9))
+    k = max(1, math.floor(kept_fraction * block_rows * block_cols + 1e-9))
     return math.ceil(blocks * k * 12 / 8) + 4 * blocks * k
 
 

@@ -37,7 +37,7 @@ def test_demo_sgd_single_replica_matches_hand_computation(device: torch.device) 
     (the anchor's R == 1 path dropped it)."""
     p = _param(8, 8, device=device)
     start = p.detach().clone()
-    optimizer = DeMoSGD([p], lr=0.01, momentum=0.9, compression=1 / 16, chunk=4)
+    optimizer = DeMoSGD([p], lr=0.01, momentum=0.9, kept_fraction=1 / 16, chunk=4)
     dct = ChunkedDCT(4)
     delta = torch.zeros(8, 8, device=device)
     expected = start.clone()
@@ -83,7 +83,7 @@ def test_gradient_exchange_single_replica_matches_hand_computation(device: torch
     """exchange="gradient": e += g; u = IDCT(topk(DCT(e))); e -= u; then AdamW on u (moments from u, not from g)."""
     p = _param(8, 8, device=device)
     optimizer = DecoupledAdamW(
-        [p], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="demo", compression=1 / 16, chunk=4
+        [p], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="demo", kept_fraction=1 / 16, chunk=4
     )
     dct = ChunkedDCT(4)
     error = torch.zeros(8, 8, device=device)
@@ -112,7 +112,7 @@ def test_contribution_weight_survives_the_normalized_exchanges(device: torch.dev
     for scale in (1.0, 0.625):
         p = _param(8, 8, device=device)
         # random selection: linear in the buffer and free of top-k ties that a rescale could flip
-        optimizer = DecoupledAdamW([p], lr=0.01, exchange=exchange, replicator="random", compression=1 / 4)
+        optimizer = DecoupledAdamW([p], lr=0.01, exchange=exchange, replicator="random", kept_fraction=1 / 4)
         optimizer.contribution_weight = scale
         for step in range(1, 4):
             p.grad = scale * torch.randn(8, 8, generator=torch.Generator().manual_seed(50 + step)).to(device)
@@ -136,7 +136,7 @@ def test_preconditioned_exchange_single_replica_matches_hand_computation(device:
             weight_decay=0.1,
             exchange="preconditioned",
             replicator="demo",
-            compression=1 / 16,
+            kept_fraction=1 / 16,
             chunk=4,
         )
         for step in range(1, 4):
@@ -162,7 +162,7 @@ def test_preconditioned_exchange_single_replica_matches_hand_computation(device:
 def test_gradient_exchange_keeping_everything_equals_torch_adamw(device: torch.device) -> None:
     ours, theirs = _param(6, 4, device=device), _param(6, 4, device=device)
     optimizer = DecoupledAdamW(
-        [ours], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="topk", compression=1.0
+        [ours], lr=0.01, weight_decay=0.1, exchange="gradient", replicator="topk", kept_fraction=1.0
     )
     reference = torch.optim.AdamW([theirs], lr=0.01, weight_decay=0.1)
     for step in range(8):
@@ -176,21 +176,21 @@ def test_gradient_exchange_keeping_everything_equals_torch_adamw(device: torch.d
 
 def test_exchange_mode_must_match_on_resume() -> None:
     p = _param(4, 4)
-    trained = DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient")
+    trained = DecoupledAdamW([p], replicator="random", kept_fraction=0.5, exchange="gradient")
     p.grad = torch.ones(4, 4)
     trained.step()
     state = copy.deepcopy(trained.state_dict())
     with pytest.raises(ValueError, match=r"exchange='gradient'.*adamw_exchange"):
-        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)  # default: preconditioned
-    same = DecoupledAdamW([p], replicator="random", compression=0.5, exchange="gradient")
+        DecoupledAdamW([p], replicator="random", kept_fraction=0.5).load_state_dict(state)  # default: preconditioned
+    same = DecoupledAdamW([p], replicator="random", kept_fraction=0.5, exchange="gradient")
     same.load_state_dict(state)
     assert torch.equal(same.state[p]["error"], trained.state[p]["error"])
     # A checkpoint from before the setting existed (0.1) was taken in direction mode.
     for group in state["param_groups"]:
         del group["exchange"]
     with pytest.raises(ValueError, match="exchange='direction'"):
-        DecoupledAdamW([p], replicator="random", compression=0.5).load_state_dict(state)
-    DecoupledAdamW([p], replicator="random", compression=0.5, exchange="direction").load_state_dict(state)
+        DecoupledAdamW([p], replicator="random", kept_fraction=0.5).load_state_dict(state)
+    DecoupledAdamW([p], replicator="random", kept_fraction=0.5, exchange="direction").load_state_dict(state)
     # Full ignores the exchange: a 0.1 Full checkpoint resumes under the new default.
     full = DecoupledAdamW([p], replicator="full")
     full.step()
@@ -210,7 +210,7 @@ def test_defaults() -> None:
     assert DeMoSGD([p]).replicator.name == "demo" and DeMoSGD([p]).defaults["sign"] is True
     adamw = DecoupledAdamW([p])
     assert adamw.replicator.name == "full" and adamw.defaults["sign"] is False
-    assert DecoupledAdamW([p], replicator="random", compression=0.5).replicator.compression == 0.5
+    assert DecoupledAdamW([p], replicator="random", kept_fraction=0.5).replicator.kept_fraction == 0.5
 
 
 def test_bf16_params_keep_fp32_state(device: torch.device) -> None:
@@ -242,7 +242,7 @@ def test_state_dict_carries_replicator_state() -> None:
 
 def test_closure_and_missing_gradients(device: torch.device) -> None:
     used, unused = _param(3, 3, device=device), _param(2, device=device)
-    optimizer = DeMoSGD([used, unused], lr=0.1, compression=0.5)
+    optimizer = DeMoSGD([used, unused], lr=0.1, kept_fraction=0.5)
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
@@ -264,7 +264,7 @@ def test_closure_and_missing_gradients(device: torch.device) -> None:
         (lambda p: DeMoSGD(p, weight_decay=-0.1), "weight_decay must be >= 0.0"),
         (lambda p: DecoupledAdamW(p, betas=(0.9, 1.0)), r"betas\[1\] must be"),
         (lambda p: DeMoSGD(p, replicator="nope"), "replicator must be one of"),
-        (lambda p: DeMoSGD(p, compression=0.0), r"compression must be a number in \(0, 1\]"),
+        (lambda p: DeMoSGD(p, kept_fraction=0.0), r"kept_fraction must be a number in \(0, 1\]"),
         (lambda p: DeMoSGD(p, chunk=1000), r"chunk must be an integer in \[1, 256\]"),
         (lambda p: DeMoSGD(p, chunk=128, index_bits=12), "index_bits=12 cannot address chunk=128"),
         (lambda p: DeMoSGD(p, replicator=build_replicator("demo"), chunk=4), "were given with a ready-built"),
@@ -277,7 +277,7 @@ def test_bad_arguments(factory: object, message: str) -> None:
 
 def test_launch_errors() -> None:
     p, q = _param(3), _param(3)
-    optimizer = DeMoSGD([p], compression=0.5)
+    optimizer = DeMoSGD([p], kept_fraction=0.5)
     p.grad = torch.ones(3)
     with pytest.raises(ValueError, match="not in this optimizer"):
         optimizer.launch([q])
@@ -293,7 +293,7 @@ def test_unbound_step_in_a_multi_rank_world_warns(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     p = _param(3)
     p.grad = torch.ones(3)
-    optimizer = DeMoSGD([p], compression=0.5)
+    optimizer = DeMoSGD([p], kept_fraction=0.5)
     with pytest.warns(UserWarning, match=r"before bind\(\): running as a single replica"):
         optimizer.step()
 

@@ -25,16 +25,16 @@ OLD_NAMES = {
         "flexdemo",
         "--replicator",
         "demo",
-        "--compression",
+        "--kept-fraction",
         str(1 / 32),
         "--values",
         "bf16",
     ],
     "random-1/64-sign@3e-3": [
-        *["--strategy", "flexdemo", "--replicator", "random", "--compression", str(1 / 64), "--values", "sign"],
+        *["--strategy", "flexdemo", "--replicator", "random", "--kept-fraction", str(1 / 64), "--values", "sign"],
         *["--learning-rate", "0.003"],
     ],
-    "diloco": ["--strategy", "flexdemo", "--replicator", "diloco", "--compression", str(1 / 32)],
+    "diloco": ["--strategy", "flexdemo", "--replicator", "diloco", "--kept-fraction", str(1 / 32)],
 }
 
 
@@ -51,7 +51,7 @@ def test_every_old_default_variant_still_parses():
 def test_sweep_dimensions_reach_the_worker():
     args = bench.worker_args("demo-1/16-sign-c128-noef@3e-4")
     assert args == [
-        *["--strategy", "flexdemo", "--replicator", "demo", "--compression", str(1 / 16), "--values", "sign"],
+        *["--strategy", "flexdemo", "--replicator", "demo", "--kept-fraction", str(1 / 16), "--values", "sign"],
         *["--chunk", "128", "--no-error-feedback", "--learning-rate", "0.0003"],
     ]
     diloco = variants.parse_variant("diloco-h16-olr0.5-om0.8-bf16")
@@ -63,18 +63,18 @@ def test_sweep_dimensions_reach_the_worker():
         "values": "bf16",
         "outer_chunk": 32,
         "sync_every": 8,
-        "outer_compression": 1 / 32,
+        "outer_kept_fraction": 1 / 32,
     }
     assert both.period == 8 and both.learning_rate == 1e-3
     assert both.worker_args()[-6:] == [
         "--sync-every",
         "8",
-        "--outer-compression",
+        "--outer-kept-fraction",
         str(1 / 32),
         "--learning-rate",
         "0.001",
     ]
-    assert variants.validate_variant("diloco-h8-demo1/32").replicator_options()["outer_compression"] == 1 / 32
+    assert variants.validate_variant("diloco-h8-demo1/32").replicator_options()["outer_kept_fraction"] == 1 / 32
     assert variants.parse_variant("demo-1/32-sign@1e-3").speed_key == "demo-1/32-sign"
     assert bench.worker_args("demo-1/32-sign-xgrad")[-2:] == ["--adamw-exchange", "gradient"]
     assert bench.worker_args("demo-1/32-sign-xpre")[-2:] == ["--adamw-exchange", "preconditioned"]
@@ -100,7 +100,7 @@ def test_sweep_dimensions_reach_the_worker():
         ("demo-1/32-diloco", "demo and diloco cannot be combined"),
         ("demo-demo1/32", "only diloco take"),
         ("diloco-c32", "DiLoCo takes c<chunk> only with demo1/N"),
-        ("demo-1/32-1/16", "compression given twice"),
+        ("demo-1/32-1/16", "kept_fraction given twice"),
         ("diloco-h16-1/32", "give DiLoCo's period once"),
         ("full-1/32", "'full' sends everything"),
         ("ddp-sign", "takes only AdamW's beta2"),

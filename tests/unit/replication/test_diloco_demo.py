@@ -1,4 +1,4 @@
-"""DeMo + DiLoCo (``DiLoCoReplicator(outer_compression=...)``) on one replica: the synchronising step sends the DCT
+"""DeMo + DiLoCo (``DiLoCoReplicator(outer_kept_fraction=...)``) on one replica: the synchronising step sends the DCT
 top-k of the delta, keeps the rest as error feedback, and checkpoints it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _sync_once(replicator: DiLoCoReplicator, param: torch.Tensor, inner_update: 
 
 def test_sends_the_dct_top_k_of_the_delta_and_keeps_the_rest() -> None:
     replicator = build_replicator(
-        "diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_compression=0.25, outer_chunk=4
+        "diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_kept_fraction=0.25, outer_chunk=4
     )
     param = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
     anchor = param.clone()
@@ -42,7 +42,7 @@ def test_sends_the_dct_top_k_of_the_delta_and_keeps_the_rest() -> None:
 
 def test_keeping_every_coefficient_equals_plain_diloco() -> None:
     plain = build_replicator("diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9)
-    demo = build_replicator("diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9, outer_compression=1.0)
+    demo = build_replicator("diloco", sync_every=2, outer_lr=0.7, outer_momentum=0.9, outer_kept_fraction=1.0)
     results = []
     for replicator in (plain, demo):
         param = torch.nn.Parameter(torch.randn(6, 10, generator=torch.Generator().manual_seed(2)))
@@ -57,27 +57,27 @@ def test_keeping_every_coefficient_equals_plain_diloco() -> None:
 def test_payload_is_the_compressed_delta() -> None:
     shapes = [(64, 64), (64,)]
     dense = build_replicator("diloco", sync_every=4, values="bf16")
-    demo = build_replicator("diloco", sync_every=4, values="bf16", outer_compression=1 / 32, outer_chunk=64)
+    demo = build_replicator("diloco", sync_every=4, values="bf16", outer_kept_fraction=1 / 32, outer_chunk=64)
     assert dense.payload_bytes(shapes) == 2 * (64 * 64 + 64)
     assert demo.payload_bytes(shapes) == build_replicator("demo", 1 / 32, chunk=64, values="bf16").payload_bytes(shapes)
-    assert demo.describe()["outer_compression"] == 1 / 32 and "outer_compression" not in dense.describe()
+    assert demo.describe()["outer_kept_fraction"] == 1 / 32 and "outer_kept_fraction" not in dense.describe()
 
 
 def test_residuals_round_trip_through_state_dict() -> None:
-    replicator = build_replicator("diloco", sync_every=1, outer_compression=0.25, outer_chunk=4)
+    replicator = build_replicator("diloco", sync_every=1, outer_kept_fraction=0.25, outer_chunk=4)
     param = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
     _sync_once(replicator, param, torch.randn(8, 8, generator=torch.Generator().manual_seed(4)))
     state = replicator.state_dict()
-    restored = build_replicator("diloco", sync_every=1, outer_compression=0.25, outer_chunk=4)
+    restored = build_replicator("diloco", sync_every=1, outer_kept_fraction=0.25, outer_chunk=4)
     restored.load_state_dict(state)
     torch.testing.assert_close(restored.outer_residuals[0], replicator.outer_residuals[0], atol=0, rtol=0)
     assert restored.outer_residuals[0] is not replicator.outer_residuals[0]
 
 
 def test_bad_outer_options() -> None:
-    with pytest.raises(ValueError, match=r"outer_compression must be a number in \(0, 1\]"):
-        build_replicator("diloco", outer_compression=0.0)
-    with pytest.raises(ValueError, match="outer_chunk only applies with outer_compression"):
+    with pytest.raises(ValueError, match=r"outer_kept_fraction must be a number in \(0, 1\]"):
+        build_replicator("diloco", outer_kept_fraction=0.0)
+    with pytest.raises(ValueError, match="outer_chunk only applies with outer_kept_fraction"):
         build_replicator("diloco", outer_chunk=32)
     with pytest.raises(ValueError, match="chunk must be an integer"):
-        build_replicator("diloco", outer_compression=1 / 32, outer_chunk=0)
+        build_replicator("diloco", outer_kept_fraction=1 / 32, outer_chunk=0)

@@ -381,7 +381,7 @@ def test_all_reduced_sums_keep_the_rule(name, values):
 @FUZZ
 @given(position=st.integers(0, 10**6), byte=st.integers(0, 255))
 def test_diloco_outer_compressed_delta_keeps_the_rule(position, byte):
-    replicator = build_replicator("diloco", 1 / 4, outer_compression=1 / 8, outer_chunk=8, values="ternary")
+    replicator = build_replicator("diloco", 1 / 4, outer_kept_fraction=1 / 8, outer_chunk=8, values="ternary")
     codec = replicator.outer_codec
     assert codec is not None
     piece = codec.encode(0, torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))

@@ -22,11 +22,11 @@ def test_unknown_replicator_names_the_valid_ones() -> None:
         build_replicator("deto-demo")
 
 
-@pytest.mark.parametrize("compression", [0, -0.5, 1.5, float("nan"), "1/32", True])
+@pytest.mark.parametrize("kept_fraction", [0, -0.5, 1.5, float("nan"), "1/32", True])
 @pytest.mark.parametrize("name", sorted(REPLICATORS))
-def test_compression_outside_unit_interval(name: str, compression: object) -> None:
-    with pytest.raises(ValueError, match=r"compression must be a number in \(0, 1\]"):
-        build_replicator(name, compression)  # type: ignore[arg-type]
+def test_compression_outside_unit_interval(name: str, kept_fraction: object) -> None:
+    with pytest.raises(ValueError, match=r"kept_fraction must be a number in \(0, 1\]"):
+        build_replicator(name, kept_fraction)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("chunk", [0, 257, 3.0, True])
@@ -75,9 +75,9 @@ def test_kept_count() -> None:
 
 # ------------------------------------------------------------------------------------------------- coverage
 @pytest.mark.parametrize("kind", ["random", "striding"])
-@pytest.mark.parametrize(("numel", "compression"), [(64, 1 / 16), (64, 1 / 8), (97, 0.1), (10, 0.3), (1, 0.5)])
-def test_every_coordinate_covered_once_per_cycle(kind: str, numel: int, compression: float) -> None:
-    slots = kept_count(compression, numel)
+@pytest.mark.parametrize(("numel", "kept_fraction"), [(64, 1 / 16), (64, 1 / 8), (97, 0.1), (10, 0.3), (1, 0.5)])
+def test_every_coordinate_covered_once_per_cycle(kind: str, numel: int, kept_fraction: float) -> None:
+    slots = kept_count(kept_fraction, numel)
     period = math.ceil(numel / slots)
     for cycle in range(3):
         seen: list[int] = []

@@ -92,16 +92,22 @@ def test_frozen() -> None:
             (
                 "diloco",
                 1 / 4,
-                {"sync_every": 4, "outer_lr": 0.5, "outer_momentum": 0.8, "outer_compression": 0.25, "outer_chunk": 8},
+                {
+                    "sync_every": 4,
+                    "outer_lr": 0.5,
+                    "outer_momentum": 0.8,
+                    "outer_kept_fraction": 0.25,
+                    "outer_chunk": 8,
+                },
             ),
         ),
     ],
 )
 def test_build_matches_build_replicator(settings: ReplicationSettings, cls: type, old: tuple) -> None:
-    name, compression, options = old
+    name, kept_fraction, options = old
     built = settings.build()
     assert type(built) is cls
-    assert built.describe() == build_replicator(name, compression, **options).describe()
+    assert built.describe() == build_replicator(name, kept_fraction, **options).describe()
     assert settings.build() is not built  # a fresh replicator each time (they hold per-run state)
 
 
@@ -119,5 +125,5 @@ def test_one_table_maps_each_kind_to_its_class():
     assert replication.REPLICATORS is settings_module.REPLICATORS  # declared once, re-exported
     assert set(settings_module.REPLICATORS) == set(get_args(settings_module.ReplicatorKind))
     for kind, cls in settings_module.REPLICATORS.items():
-        if kind != "diloco":  # diloco takes no kept_fraction
+        if kind != "diloco":  # diloco takes no compression
             assert type(ReplicationSettings(kind=kind).build()) is cls
