@@ -47,8 +47,8 @@ class SubspaceConfig:
     """How a model is confined to the subspace and how stage boundaries are encoded.
 
     Args:
-        rank: ``k``, the subspace dimension (number of coordinates per token at a boundary).
-        compression: ``d / k`` instead of ``rank``; ``k = round(d / compression)``. Give exactly one of the two
+        subspace_dim: ``k``, the subspace dimension (number of coordinates per token at a boundary).
+        dim_ratio: ``d / k`` instead of ``subspace_dim``; ``k = round(d / dim_ratio)``. Give exactly one of the two
             (neither is fine when ``compress=False``).
         seed: Seed of ``U`` and ``T_fixed`` (every rank derives the same ones).
         mode: ``"reparam"``: constrained weights are stored as coordinates ``W = U Z`` (any optimizer works).
@@ -65,8 +65,8 @@ class SubspaceConfig:
             Pluralis' code uses 1.0.
     """
 
-    rank: int | None = None
-    compression: float | None = None
+    subspace_dim: int | None = None
+    dim_ratio: float | None = None
     seed: int = 0
     mode: Literal["projected", "reparam"] = "reparam"
     compress: bool = True
@@ -80,16 +80,20 @@ class SubspaceConfig:
             raise ValueError(f"SubspaceConfig.mode={self.mode!r} is not supported; use 'reparam' or 'projected'.")
         if self.coord_dtype not in COORD_DTYPES:
             raise ValueError(f"SubspaceConfig.coord_dtype={self.coord_dtype!r}; use one of {', '.join(COORD_DTYPES)}.")
-        if self.compress and (self.rank is None) == (self.compression is None):
-            given = "both" if self.rank is not None else "neither"
+        if self.compress and (self.subspace_dim is None) == (self.dim_ratio is None):
+            given = "both" if self.subspace_dim is not None else "neither"
             raise ValueError(
-                f"SubspaceConfig got {given} of rank and compression; give exactly one: rank=k (coordinates per "
-                f"token) or compression=d/k (e.g. compression=32)."
+                f"SubspaceConfig got {given} of subspace_dim and dim_ratio; give exactly one: subspace_dim=k "
+                f"(coordinates per token) or dim_ratio=d/k (e.g. dim_ratio=32)."
             )
-        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1):
-            raise ValueError(f"SubspaceConfig.rank={self.rank!r} must be a positive integer (the subspace size k).")
-        if self.compression is not None and not self.compression >= 1:
-            raise ValueError(f"SubspaceConfig.compression={self.compression!r} must be >= 1 (it is d / k).")
+        if self.subspace_dim is not None and (
+            isinstance(self.subspace_dim, bool) or not isinstance(self.subspace_dim, int) or self.subspace_dim < 1
+        ):
+            raise ValueError(
+                f"SubspaceConfig.subspace_dim={self.subspace_dim!r} must be a positive integer (the subspace size k)."
+            )
+        if self.dim_ratio is not None and not self.dim_ratio >= 1:
+            raise ValueError(f"SubspaceConfig.dim_ratio={self.dim_ratio!r} must be >= 1 (it is d / k).")
         if self.update_every < 0:
             raise ValueError(f"SubspaceConfig.update_every={self.update_every} must be >= 0 (0 keeps U frozen).")
         if not self.update_lr > 0:
@@ -97,26 +101,27 @@ class SubspaceConfig:
         if self.fixed_embedding_std is not None and not self.fixed_embedding_std > 0:
             raise ValueError(f"SubspaceConfig.fixed_embedding_std={self.fixed_embedding_std} must be > 0 (or None).")
 
-    def resolve_rank(self, hidden_size: int) -> int:
+    def resolve_subspace_dim(self, hidden_size: int) -> int:
         """Return ``k`` for a model of width ``hidden_size`` (``d``).
 
         Raises:
-            ValueError: ``k > d`` or ``compression`` too large for ``d``.
+            ValueError: ``k > d`` or ``dim_ratio`` too large for ``d``.
         """
-        if self.rank is not None:
-            rank = self.rank
-        elif self.compression is not None:
-            rank = round(hidden_size / self.compression)
+        if self.subspace_dim is not None:
+            rank = self.subspace_dim
+        elif self.dim_ratio is not None:
+            rank = round(hidden_size / self.dim_ratio)
             if rank < 1:
                 raise ValueError(
-                    f"SubspaceConfig.compression={self.compression} leaves k = round({hidden_size} / "
-                    f"{self.compression}) = 0 coordinates; use compression <= {hidden_size}."
+                    f"SubspaceConfig.dim_ratio={self.dim_ratio} leaves k = round({hidden_size} / "
+                    f"{self.dim_ratio}) = 0 coordinates; use dim_ratio <= {hidden_size}."
                 )
         else:
             return hidden_size  # compress=False: the boundary carries the full width
         if rank > hidden_size:
             raise ValueError(
-                f"SubspaceConfig.rank={rank} exceeds the model width d={hidden_size}; use rank <= {hidden_size}."
+                f"SubspaceConfig.subspace_dim={rank} exceeds the model width d={hidden_size}; use subspace_dim <= "
+                f"{hidden_size}."
             )
         return rank
 
@@ -231,7 +236,7 @@ class SubspaceBasis(nn.Module):
         return self.basis.shape[0]
 
     @property
-    def rank(self) -> int:
+    def subspace_dim(self) -> int:
         """``k``."""
         return self.basis.shape[1]
 

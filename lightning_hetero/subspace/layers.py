@@ -40,8 +40,8 @@ class SubspaceLinear(nn.Module):
         object.__setattr__(self, "_owner", owner)  # not a submodule: U is registered once, on the stage
         self.in_features = in_features
         self.out_features = owner.hidden_size
-        self.weight_coords = nn.Parameter(torch.empty(owner.rank, in_features, dtype=dtype, device=device))
-        self.bias_coords = nn.Parameter(torch.zeros(owner.rank, dtype=dtype, device=device)) if bias else None
+        self.weight_coords = nn.Parameter(torch.empty(owner.subspace_dim, in_features, dtype=dtype, device=device))
+        self.bias_coords = nn.Parameter(torch.zeros(owner.subspace_dim, dtype=dtype, device=device)) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, owner: SubspaceBasis) -> SubspaceLinear:
@@ -144,7 +144,7 @@ class SubspaceEmbedding(nn.Module):
         self.mode = mode
         self.vocab_size = vocab_size
         self.padding_idx = padding_idx
-        width = owner.rank if mode == "reparam" else owner.hidden_size
+        width = owner.subspace_dim if mode == "reparam" else owner.hidden_size
         name = "weight_coords" if mode == "reparam" else "weight_in_span"
         self.register_parameter(name, nn.Parameter(torch.empty(vocab_size, width, dtype=dtype, device=device)))
 
@@ -181,7 +181,7 @@ class SubspaceEmbedding(nn.Module):
         return weight @ self.basis.to(weight.dtype).T if self.mode == "reparam" else weight
 
     def extra_repr(self) -> str:
-        return f"{self.vocab_size}, mode={self.mode}, rank={self._owner.rank}, padding_idx={self.padding_idx}"
+        return f"{self.vocab_size}, mode={self.mode}, subspace_dim={self._owner.subspace_dim}, padding_idx={self.padding_idx}"
 
 
 CONFINED_WRITER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, SubspaceLinear)

@@ -77,8 +77,8 @@ class SubspacePipelineRuntime(PipelinePlacement, StrategyRuntime):
         self.settings = settings
         self.owner = owner
         self.config = SubspaceConfig(
-            rank=settings.subspace_dim,
-            compression=settings.resolved_dim_ratio(),
+            subspace_dim=settings.subspace_dim,
+            dim_ratio=settings.resolved_dim_ratio(),
             seed=settings.seed,
             mode=settings.mode,
             compress=settings.compress,
@@ -324,7 +324,7 @@ class SubspacePipelineRuntime(PipelinePlacement, StrategyRuntime):
         """What a checkpoint records about the pipeline (checked on resume)."""
         hf_config = self.container.config if self.container is not None else None
         hidden = getattr(hf_config, "hidden_size", None)
-        rank = self.config.resolve_rank(hidden) if self.config.compress and hidden else None
+        rank = self.config.resolve_subspace_dim(hidden) if self.config.compress and hidden else None
         return {
             "num_stages": self.num_stages,
             "data_parallel_size": self.data_parallel_size,

@@ -17,6 +17,7 @@ confined weights add their coordinate form (``...o_proj.weight_coords``, ``model
 from __future__ import annotations
 
 import copy as copy_module
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,11 +54,13 @@ def _attention_masks(
     """The masks HF's own model forward would pass to each layer type (None for plain causal SDPA)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+    # transformers 5 renamed the cache argument (the old name warns on every call); 4.x knows only the old one.
+    cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
     kwargs = {
         "config": hf_config,
         "inputs_embeds": hidden,
         "attention_mask": attention_mask,
-        "past_key_values": None,
+        cache: None,
         "position_ids": position_ids,
     }
     masks: dict[str, Any] = {}
@@ -111,8 +114,8 @@ class StageModule(nn.Module):
         self.is_last = is_last
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
-        self.rank = config.resolve_rank(hidden_size) if config.compress else hidden_size
-        self.codec = BoundaryCodec(config.coord_dtype, self.rank)
+        self.subspace_dim = config.resolve_subspace_dim(hidden_size) if config.compress else hidden_size
+        self.codec = BoundaryCodec(config.coord_dtype, self.subspace_dim)
         self.model = nn.Module()  # holds embed_tokens / layers / norm / rotary_emb under HF's FQNs
         self.subspace: SubspaceBasis | None = None
         self.lm_head: nn.Module | None = None
@@ -159,7 +162,7 @@ class StageModule(nn.Module):
         reference = parts.layers[start].self_attn.q_proj.weight  # dtype/device of the decoder's weights
         if config.compress:
             basis = orthonormal_basis(
-                parts.hidden_size, stage.rank, config.seed, dtype=reference.dtype, device=reference.device
+                parts.hidden_size, stage.subspace_dim, config.seed, dtype=reference.dtype, device=reference.device
             )
             fixed = FixedTokenTable(
                 parts.vocab_size, parts.hidden_size, config.seed, config.resolve_fixed_std(parts.config)

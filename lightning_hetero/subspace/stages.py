@@ -56,10 +56,10 @@ def build_stages(
             tensor, freeing its memory (the module tree stays, unusable). Only without ``copy``.
 
     Raises:
-        ValueError: unsupported model family, bad ``num_stages`` or ``stage_indices``, bad rank/compression.
+        ValueError: unsupported model family, bad ``num_stages``/``stage_indices``/``subspace_dim``/``dim_ratio``.
     """
     parts = find_decoder(hf_model, CONFINED_WRITER_TYPES)
-    config.resolve_rank(parts.hidden_size)  # validate k against d before touching anything
+    config.resolve_subspace_dim(parts.hidden_size)  # validate k against d before touching anything
     ranges = split_layers(parts.num_layers, num_stages)
     indices = list(stage_indices)
     if not indices or len(set(indices)) != len(indices) or any(not 0 <= i < num_stages for i in indices):

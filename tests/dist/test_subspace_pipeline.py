@@ -54,7 +54,9 @@ def _reference(run: dict[str, Any], num_stages: int, batches: list[dict[str, tor
 
     hf = _hf_model()
     if run.get("compress", True):
-        model: nn.Module = constrained_model(hf, SubspaceConfig(rank=K, mode=run.get("mode", "reparam")), num_stages)
+        model: nn.Module = constrained_model(
+            hf, SubspaceConfig(subspace_dim=K, mode=run.get("mode", "reparam")), num_stages
+        )
         forward = lambda ids: model(None, ids)  # noqa: E731
     else:
         model = hf
@@ -134,7 +136,7 @@ def _check_update(results: list[dict[str, Any]]) -> None:
     assert (stage0["basis"] - stage0["initial"]).abs().max() > 1e-3  # the update moved U
     merged = {**stage0["states"][0], **stage0["states"][1]}
     assert torch.equal(stage0["states"][0]["subspace.basis"], stage0["states"][1]["subspace.basis"])
-    reference = constrained_model(_hf_model(), SubspaceConfig(rank=K, update_every=1), 2)
+    reference = constrained_model(_hf_model(), SubspaceConfig(subspace_dim=K, update_every=1), 2)
     reference.load_state_dict(merged, strict=True)
     with torch.no_grad():
         batch = _batch(seed=20)

@@ -92,7 +92,7 @@ def _one_process_losses(steps: int) -> list[float]:
     from lightning_hetero.subspace.basis import SubspaceConfig
     from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
 
-    model = constrained_model(StrategyStepLlama().model, SubspaceConfig(rank=8), 2)
+    model = constrained_model(StrategyStepLlama().model, SubspaceConfig(subspace_dim=8), 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     batch = next(iter(_data().train_dataloader()))
     losses = []

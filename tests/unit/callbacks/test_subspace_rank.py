@@ -43,7 +43,7 @@ class _LM(LightningModule):
     def __init__(self, subspace: bool = False) -> None:
         super().__init__()
         hf = _tiny_llama()
-        self.net = constrained_model(hf, SubspaceConfig(rank=8), 2) if subspace else hf
+        self.net = constrained_model(hf, SubspaceConfig(subspace_dim=8), 2) if subspace else hf
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(None, ids) if isinstance(self.net, StageModule) else self.net(ids).logits

@@ -80,7 +80,7 @@ def test_a_valid_state_with_one_corrupted_byte_keeps_the_decoder_rule(position, 
 
 def test_the_bound_from_the_config_holds_every_stage_of_that_model():
     model = tiny_model()
-    stages = build_stages(fresh(model), SubspaceConfig(rank=8), 2, [0, 1])
+    stages = build_stages(fresh(model), SubspaceConfig(subspace_dim=8), 2, [0, 1])
     limit = stage_bytes_limit(model.config)
     for stage in stages:
         assert len(save_safetensors({k: v.contiguous() for k, v in stage.state_dict().items()})) <= limit

@@ -46,7 +46,7 @@ def _tokenizer() -> tf.PreTrainedTokenizerFast:
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_export_loads_with_plain_transformers_and_equal_logits(tmp_path: Path, mode: str, num_stages: int) -> None:
     model = tiny_model()
-    config = SubspaceConfig(rank=8, mode=mode)
+    config = SubspaceConfig(subspace_dim=8, mode=mode)
     stages = _trained_stages(model, config, num_stages)
     # shuffled state dicts, as gathered from ranks
     states = [stage.state_dict() for stage in reversed(stages)]
@@ -62,7 +62,7 @@ def test_export_loads_with_plain_transformers_and_equal_logits(tmp_path: Path, m
 
 def test_export_of_the_whole_model_and_of_the_uncompressed_pipeline(tmp_path: Path) -> None:
     model = tiny_model(tie_word_embeddings=True)
-    whole = constrained_model(fresh(model), SubspaceConfig(rank=8), 2)
+    whole = constrained_model(fresh(model), SubspaceConfig(subspace_dim=8), 2)
     export_dense(whole, model.config, tmp_path / "whole")
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
     ids = token_ids()
@@ -75,11 +75,11 @@ def test_export_of_the_whole_model_and_of_the_uncompressed_pipeline(tmp_path: Pa
 
 def test_dense_state_dict_errors() -> None:
     model = tiny_model()
-    config = SubspaceConfig(rank=8, seed=3)
+    config = SubspaceConfig(subspace_dim=8, seed=3)
     stages = build_stages(fresh(model), config, 2, [0, 1])
     with pytest.raises(ValueError, match="seed 3 differs"):
-        dense_state_dict([s.state_dict() for s in stages], SubspaceConfig(rank=8, seed=4))
-    other = build_stages(fresh(model), SubspaceConfig(rank=8, seed=5), 2, [1])[0]
+        dense_state_dict([s.state_dict() for s in stages], SubspaceConfig(subspace_dim=8, seed=4))
+    other = build_stages(fresh(model), SubspaceConfig(subspace_dim=8, seed=5), 2, [1])[0]
     with pytest.raises(ValueError, match="different"):
         dense_state_dict([stages[0].state_dict(), other.state_dict()])
     with pytest.raises(ValueError, match="missing keys"):

@@ -32,7 +32,7 @@ def _confined(stages) -> list[tuple[str, torch.Tensor, int]]:
 
 
 def _train(mode: str, optimizer_name: str) -> tuple[list, list[float], list]:
-    stages = build_stages(tiny_model(), SubspaceConfig(rank=8, mode=mode), 2, [0, 1])
+    stages = build_stages(tiny_model(), SubspaceConfig(subspace_dim=8, mode=mode), 2, [0, 1])
     params = [p for stage in stages for p in stage.parameters()]
     constrained = {p: axis for stage in stages for p, axis in stage.constrained_parameters().items()}
     if optimizer_name == "subspace":

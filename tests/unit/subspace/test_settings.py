@@ -59,10 +59,10 @@ def test_defaults_are_those_of_0_1() -> None:
     assert (settings.update_every, settings.update_lr, settings.seed, settings.on_bad_payload) == (0, 0.1, 0, "raise")
     assert settings.num_microbatches == 2  # n_microbatches=None: one per stage
     runtime = SubspacePipelineRuntime(settings)
-    assert runtime.config.compression == 16.0 and runtime.config.rank is None  # d/k = 16 when no size is given
+    assert runtime.config.dim_ratio == 16.0 and runtime.config.subspace_dim is None  # d/k = 16 when no size is given
     assert runtime.num_stages == 2 and runtime.data_parallel_size == 1
     plain = SubspacePipelineRuntime(SubspacePipelineSettings(compress=False))
-    assert plain.config.compression is None and not plain.config.compress
+    assert plain.config.dim_ratio is None and not plain.config.compress
 
 
 def test_the_runtime_reads_every_field() -> None:
@@ -81,9 +81,9 @@ def test_the_runtime_reads_every_field() -> None:
     assert runtime.settings is settings
     assert (runtime.num_stages, runtime.data_parallel_size) == (3, 2)
     config = runtime.config
-    assert (config.rank, config.compression, config.coord_dtype, config.mode) == (8, None, "int8", "projected")
+    assert (config.subspace_dim, config.dim_ratio, config.coord_dtype, config.mode) == (8, None, "int8", "projected")
     assert (config.update_every, config.update_lr, config.seed) == (4, 0.25, 7)
-    assert SubspacePipelineRuntime(SubspacePipelineSettings(dim_ratio=32)).config.compression == 32
+    assert SubspacePipelineRuntime(SubspacePipelineSettings(dim_ratio=32)).config.dim_ratio == 32
 
 
 def test_settings_are_frozen() -> None:

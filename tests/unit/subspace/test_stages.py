@@ -39,7 +39,7 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_reconstruction_is_exact_at_every_boundary_forward_and_backward(mode: str, num_stages: int) -> None:
     """fp32: the residual rebuilt from k coordinates equals the sender's, and the k-dim gradient message equals
     (dL/dh) U computed independently at the receiver."""
-    config = SubspaceConfig(rank=K, mode=mode)
+    config = SubspaceConfig(subspace_dim=K, mode=mode)
     stages = build_stages(tiny_model(), config, num_stages, list(range(num_stages)))
     ids = token_ids()
     x = None
@@ -81,7 +81,7 @@ def reference_forward_from(stages, first, tensor, ids, decoded: bool = False):
 
 def test_unconstrained_layer_breaks_reconstruction() -> None:
     """Negative control: after a free (last-stage) layer the residual is NOT in span(U), so the same check fails."""
-    stages = build_stages(tiny_model(), SubspaceConfig(rank=K), 2, [0, 1])
+    stages = build_stages(tiny_model(), SubspaceConfig(subspace_dim=K), 2, [0, 1])
     ids = token_ids()
     first, last = stages
     hidden = last.run_layers(last.subspace.decode(first(None, ids), ids)).detach()
@@ -94,7 +94,7 @@ def test_unconstrained_layer_breaks_reconstruction() -> None:
 def test_chained_stages_equal_whole_constrained_model(mode: str, num_stages: int) -> None:
     """float64 weights, fp32 wire: logits and every parameter gradient agree to 1e-6."""
     model = tiny_model(dtype=torch.float64)
-    config = SubspaceConfig(rank=K, mode=mode)
+    config = SubspaceConfig(subspace_dim=K, mode=mode)
     whole = constrained_model(fresh(model), config, num_stages)
     stages = build_stages(fresh(model), config, num_stages, list(range(num_stages)))
     ids = token_ids()
@@ -138,7 +138,7 @@ def test_compress_false_equals_unmodified_hf_model(num_stages: int) -> None:
 def test_every_supported_family_reconstructs_and_matches_hf(family: str) -> None:
     model = tiny_model(family, dtype=torch.float64)
     ids = token_ids(seq=12)
-    config = SubspaceConfig(rank=K)
+    config = SubspaceConfig(subspace_dim=K)
     stages = build_stages(fresh(model), config, 2, [0, 1])
     whole = constrained_model(fresh(model), config, 2)
     # fp32 wire, float64 weights: agreement to the wire's rounding (norm-relative)
@@ -158,7 +158,7 @@ def test_padding_mask_matches_hf() -> None:
 
 
 def test_constrained_weights_and_embedding_lie_in_span() -> None:
-    whole = constrained_model(tiny_model(), SubspaceConfig(rank=K, mode="projected"), 2)
+    whole = constrained_model(tiny_model(), SubspaceConfig(subspace_dim=K, mode="projected"), 2)
     u = whole.basis
     for index in (0, 1):
         layer = whole.model.layers[str(index)]
@@ -171,7 +171,7 @@ def test_constrained_weights_and_embedding_lie_in_span() -> None:
 def test_stage_holds_only_its_own_pieces_and_keeps_hf_names() -> None:
     model = tiny_model()
     hf_names = set(dict(model.named_parameters()))
-    stages = build_stages(model, SubspaceConfig(rank=K), 2, [1], release_unused=True)
+    stages = build_stages(model, SubspaceConfig(subspace_dim=K), 2, [1], release_unused=True)
     (stage,) = stages
     names = set(stage.state_dict())
     assert {"lm_head.weight", "model.norm.weight", "model.layers.2.self_attn.q_proj.weight"} <= names
@@ -184,12 +184,12 @@ def test_stage_holds_only_its_own_pieces_and_keeps_hf_names() -> None:
 
 
 def test_stage_state_dict_round_trip_and_bit_identical_ranks() -> None:
-    config = SubspaceConfig(rank=K, seed=7)
+    config = SubspaceConfig(subspace_dim=K, seed=7)
     a = build_stages(tiny_model(seed=0), config, 2, [0])[0]
     b = build_stages(tiny_model(seed=0), config, 2, [0])[0]  # "another rank": same seed -> identical
     for key, value in a.state_dict().items():
         assert torch.equal(value, b.state_dict()[key]), key
-    other = build_stages(tiny_model(seed=3), SubspaceConfig(rank=K, seed=1), 2, [0])[0]
+    other = build_stages(tiny_model(seed=3), SubspaceConfig(subspace_dim=K, seed=1), 2, [0])[0]
     other.load_state_dict(a.state_dict())
     ids = token_ids()
     assert torch.equal(other(None, ids), a(None, ids))  # includes T_fixed regenerated from the restored seed
@@ -207,32 +207,32 @@ def test_tied_embeddings_are_untied() -> None:
 def test_errors_are_clear() -> None:
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16))
     with pytest.raises(ValueError, match="found: .*GPT2LMHeadModel.*supports LlamaForCausalLM, MistralForCausalLM"):
-        build_stages(gpt2, SubspaceConfig(rank=4), 2, [0])
-    with pytest.raises(ValueError, match="both of rank and compression"):
-        SubspaceConfig(rank=4, compression=8.0)
-    with pytest.raises(ValueError, match="neither of rank and compression"):
+        build_stages(gpt2, SubspaceConfig(subspace_dim=4), 2, [0])
+    with pytest.raises(ValueError, match="both of subspace_dim and dim_ratio"):
+        SubspaceConfig(subspace_dim=4, dim_ratio=8.0)
+    with pytest.raises(ValueError, match="neither of subspace_dim and dim_ratio"):
         SubspaceConfig()
-    with pytest.raises(ValueError, match="rank=65 exceeds the model width d=64"):
-        build_stages(tiny_model(), SubspaceConfig(rank=65), 2, [0])
+    with pytest.raises(ValueError, match="subspace_dim=65 exceeds the model width d=64"):
+        build_stages(tiny_model(), SubspaceConfig(subspace_dim=65), 2, [0])
     with pytest.raises(ValueError, match="num_stages=5 exceeds"):
-        build_stages(tiny_model(), SubspaceConfig(rank=4), 5, [0])
+        build_stages(tiny_model(), SubspaceConfig(subspace_dim=4), 5, [0])
     with pytest.raises(ValueError, match="stage_indices"):
-        build_stages(tiny_model(), SubspaceConfig(rank=4), 2, [2])
+        build_stages(tiny_model(), SubspaceConfig(subspace_dim=4), 2, [2])
     with pytest.raises(ValueError, match="mode='lowrank'"):
-        SubspaceConfig(rank=4, mode="lowrank")
+        SubspaceConfig(subspace_dim=4, mode="lowrank")
     with pytest.raises(ValueError, match="coord_dtype='fp8'"):
-        SubspaceConfig(rank=4, coord_dtype="fp8")
-    stage = build_stages(tiny_model(), SubspaceConfig(rank=4), 2, [1])[0]
+        SubspaceConfig(subspace_dim=4, coord_dtype="fp8")
+    stage = build_stages(tiny_model(), SubspaceConfig(subspace_dim=4), 2, [1])[0]
     with pytest.raises(ValueError, match="not the first stage"):
         stage(None, token_ids())
     model = tiny_model()
-    constrained_model(model, SubspaceConfig(rank=4), 2)
+    constrained_model(model, SubspaceConfig(subspace_dim=4), 2)
     with pytest.raises(ValueError, match="already confined"):
-        constrained_model(model, SubspaceConfig(rank=4), 2)
+        constrained_model(model, SubspaceConfig(subspace_dim=4), 2)
 
 
-def test_compression_resolves_rank() -> None:
-    assert SubspaceConfig(compression=16).resolve_rank(64) == 4
-    stage = build_stages(tiny_model(), SubspaceConfig(compression=8), 2, [0])[0]
-    assert stage.rank == 8 and stage.basis.shape == (64, 8)
+def test_dim_ratio_resolves_the_subspace_dim() -> None:
+    assert SubspaceConfig(dim_ratio=16).resolve_subspace_dim(64) == 4
+    stage = build_stages(tiny_model(), SubspaceConfig(dim_ratio=8), 2, [0])[0]
+    assert stage.subspace_dim == 8 and stage.basis.shape == (64, 8)
     assert isinstance(stage, StageModule) and stage.is_first and not stage.is_last

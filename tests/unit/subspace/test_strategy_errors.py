@@ -24,7 +24,7 @@ def test_bad_arguments_name_the_argument(cls):
         cls(settings=SubspacePipelineSettings(subspace_dim=8, schedule="interleaved"))
     with pytest.raises(ValueError, match="subspace_dim"):
         cls(settings=SubspacePipelineSettings(subspace_dim=8, dim_ratio=4.0))  # exclusive
-    assert cls().runtime.config.compression == 16.0  # the default when neither is given
+    assert cls().runtime.config.dim_ratio == 16.0  # the default when neither is given
     with pytest.raises(ValueError, match=r"num_stages=0: use an int >= 1"):
         cls(settings=SubspacePipelineSettings(pipeline=PipelineSettings(num_stages=0), subspace_dim=8))
     with pytest.raises(ValueError, match=r"n_microbatches=0: use an int >= 1"):

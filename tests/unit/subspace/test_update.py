@@ -37,7 +37,7 @@ def _boundary_gradient(stages, ids) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["reparam", "projected"])
 def test_sketch_is_the_boundary_gradient_energy_and_sums_over_stages(mode: str) -> None:
     model = tiny_model()
-    config = SubspaceConfig(rank=8, mode=mode, update_every=10)
+    config = SubspaceConfig(subspace_dim=8, mode=mode, update_every=10)
     stages = build_stages(fresh(model), config, 2, [0, 1])
     whole = constrained_model(fresh(model), config, 2)
     ids = token_ids()
@@ -56,7 +56,7 @@ def test_sketch_is_the_boundary_gradient_energy_and_sums_over_stages(mode: str) 
     assert relative_error(whole.subspace_statistic, expected / 2) < 1e-5
     assert relative_error(total, expected) < 1e-5
     # nothing is recorded when tracking is off (update_every=0)
-    frozen = build_stages(fresh(model), SubspaceConfig(rank=8, mode=mode), 2, [0, 1])
+    frozen = build_stages(fresh(model), SubspaceConfig(subspace_dim=8, mode=mode), 2, [0, 1])
     chain_with_messages(frozen, ids)
     frozen[1].accumulate_subspace_gradient_()
     assert torch.count_nonzero(frozen[1].subspace_statistic) == 0
@@ -64,7 +64,7 @@ def test_sketch_is_the_boundary_gradient_energy_and_sums_over_stages(mode: str) 
 
 @pytest.mark.parametrize("mode", ["reparam", "projected"])
 def test_rebase_within_the_same_span_keeps_the_function_and_rotates_moments(mode: str) -> None:
-    stages = build_stages(tiny_model(), SubspaceConfig(rank=8, mode=mode), 2, [0, 1])
+    stages = build_stages(tiny_model(), SubspaceConfig(subspace_dim=8, mode=mode), 2, [0, 1])
     params = [p for s in stages for p in s.parameters()]
     constrained = {p: a for s in stages for p, a in s.constrained_parameters().items()}
     optimizer = SubspaceAdamW(params, lr=1e-2, constrained=constrained)
@@ -91,7 +91,7 @@ def test_rebase_within_the_same_span_keeps_the_function_and_rotates_moments(mode
 @pytest.mark.parametrize("mode", ["reparam", "projected"])
 def test_after_a_grassmann_update_reconstruction_is_exact_and_training_stays_in_span(mode: str) -> None:
     model = tiny_model()
-    config = SubspaceConfig(rank=8, mode=mode, update_every=5, update_lr=0.3)
+    config = SubspaceConfig(subspace_dim=8, mode=mode, update_every=5, update_lr=0.3)
     stages = build_stages(fresh(model), config, 2, [0, 1])
     params = [p for s in stages for p in s.parameters()]
     constrained = {p: a for s in stages for p, a in s.constrained_parameters().items()}
@@ -128,7 +128,7 @@ def test_after_a_grassmann_update_reconstruction_is_exact_and_training_stays_in_
 
 def test_chained_and_whole_model_agree_after_the_same_rebase() -> None:
     model = tiny_model(dtype=torch.float64)
-    config = SubspaceConfig(rank=8)
+    config = SubspaceConfig(subspace_dim=8)
     stages = build_stages(fresh(model), config, 4, [0, 1, 2, 3])
     whole = constrained_model(fresh(model), config, 4)
     new_basis = orthonormal_basis(64, 8, seed=99, dtype=torch.float64)
@@ -139,7 +139,7 @@ def test_chained_and_whole_model_agree_after_the_same_rebase() -> None:
 
 
 def test_rebase_rejects_bad_input() -> None:
-    (stage,) = build_stages(tiny_model(), SubspaceConfig(rank=8), 2, [0])
+    (stage,) = build_stages(tiny_model(), SubspaceConfig(subspace_dim=8), 2, [0])
     with pytest.raises(ValueError, match="expected"):
         stage.rebase_(torch.zeros(64, 4))
     (plain,) = build_stages(tiny_model(), SubspaceConfig(compress=False), 2, [0])
