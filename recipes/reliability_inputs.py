@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.comm import codecs
+from lightning_hetero.comm import payload_packing
 from lightning_hetero.comm.dump import load_ledger_dumps
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.core import load_part, part_file
@@ -55,7 +55,7 @@ from lightning_hetero.lowbit.wire import decode_flips, decode_sparse, encode_fli
 from lightning_hetero.matformer.aggregate import _check_reduced
 from lightning_hetero.matformer.compressed import _bucket_names, decode_error_feedback
 from lightning_hetero.matformer.schema import SchemaMismatchError, agree_on_schema, canonical_hash
-from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec, pack_int8
 from lightning_hetero.pipeline.stage_gather import decode_stage_state
 from lightning_hetero.replication import build_replicator
 
@@ -92,7 +92,7 @@ def _demo_gathered(forge: Callable[[torch.Tensor, Any], torch.Tensor]) -> Callab
 
 def _demo_index(wire: torch.Tensor, piece: Any) -> torch.Tensor:
     k = piece.meta["k"]
-    forged = codecs.pack_indices(torch.full((k,), 4000), 12)  # blocks of 32x32 = 1024 coefficients
+    forged = payload_packing.pack_indices(torch.full((k,), 4000), 12)  # blocks of 32x32 = 1024 coefficients
     return torch.cat((forged, wire[forged.numel() :]))
 
 
@@ -220,7 +220,7 @@ def _huge_column(wire: torch.Tensor, piece: Any) -> torch.Tensor:
     indices = torch.tensor([row * 32 for row in range(8)] + list(range(1, k - 7)))
     values = torch.zeros(k)
     values[:8] = 3.4e38
-    return torch.cat((codecs.pack_indices(indices, 12), values.view(torch.uint8)))
+    return torch.cat((payload_packing.pack_indices(indices, 12), values.view(torch.uint8)))
 
 
 def _ternary_code_3(wire: torch.Tensor, piece: Any) -> torch.Tensor:
@@ -231,7 +231,7 @@ def _ternary_code_3(wire: torch.Tensor, piece: Any) -> torch.Tensor:
 
 def _duplicate_indices(wire: torch.Tensor, piece: Any) -> torch.Tensor:
     k = piece.meta["k"]
-    forged = codecs.pack_indices(torch.tensor([5, 5] + list(range(6, k + 4))), 12)
+    forged = payload_packing.pack_indices(torch.tensor([5, 5] + list(range(6, k + 4))), 12)
     return torch.cat((forged, wire[forged.numel() :]))
 
 
@@ -506,7 +506,7 @@ def _ef_layout(out: Any) -> bool:
 
 def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Callable[[Any], bool]]]:
     """``(decoder, bad input, run, is_valid)`` for every case."""
-    sparse_body = 4 + codecs.index_nbytes(3, 12)
+    sparse_body = 4 + payload_packing.index_nbytes(3, 12)
     index_ok = lambda out: all(int(i.max()) < NUMEL for i, _ in out if i.numel()) if isinstance(out, list) else True  # noqa: E731
     cases: list[tuple[str, str, Callable[[], Any], Callable[[Any], bool]]] = [
         ("flexdemo DeMo decode_gathered", "out-of-range coefficient index", _demo_gathered(_demo_index), _forged),
@@ -516,15 +516,15 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
         ("flexdemo random(sign) decode_gathered", "NaN scale", _dense_sign_scale, _forged),
         ("flexdemo random decode_reduced", "Inf in the all-reduced sum", _dense_reduced, _forged),
         (
-            "comm.codecs unpack_indices",
+            "comm.payload_packing unpack_indices",
             "truncated bytes",
-            lambda: codecs.unpack_indices(_bytes([1, 2]), 4, 12),
+            lambda: payload_packing.unpack_indices(_bytes([1, 2]), 4, 12),
             _forged,
         ),
         (
-            "comm.codecs unpack_values",
+            "comm.payload_packing unpack_values",
             "wrong length",
-            lambda: codecs.unpack_values(_bytes([0] * 7), 1, 2, "fp32"),
+            lambda: payload_packing.unpack_values(_bytes([0] * 7), 1, 2, "fp32"),
             _forged,
         ),
         ("lowbit decode_sparse", "NaN value", lambda: _decode(_sparse_with(sparse_body, NAN_F32)), _forged),
@@ -541,7 +541,13 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
             "lowbit decode_sparse",
             "indices not increasing",
             lambda: _decode(
-                torch.cat((_sparse()[:4], codecs.pack_indices(torch.tensor([40, 3, 99]), 12), _sparse()[sparse_body:]))
+                torch.cat(
+                    (
+                        _sparse()[:4],
+                        payload_packing.pack_indices(torch.tensor([40, 3, 99]), 12),
+                        _sparse()[sparse_body:],
+                    )
+                )
             ),
             _forged,
         ),

@@ -6,7 +6,8 @@ byte goes through :mod:`lightning_hetero.comm` under the label :data:`~lightning
 
 Wire format of one message (per training step and boundary):
 
-- **synchronous** mode: the activations only, encoded by a :class:`~lightning_hetero.pipeline.codec.BoundaryCodec`
+- **synchronous** mode: the activations only, encoded by a
+  :class:`~lightning_hetero.pipeline.boundary_codec.BoundaryCodec`
   (``fp32``: ``B*S*H*4`` bytes for a ``(B, S, H)`` hidden state; ``bf16``: ``*2``; ``int8``: ``B*S*(4*ceil(H/4)+4)``).
   Both ends read the same batch from their own data loader, so the receiver knows the batch; the per-sample shape
   is sent once per new input shape as a :data:`HEADER_LENGTH`-int64 header (64 bytes), then never again.
@@ -20,7 +21,7 @@ the per-sample shape its :class:`~lightning_hetero.layerwise.stack.BlockStack` i
 batch it no longer keeps) is bounded by the layouts this stage has itself expected (:meth:`ActivationLink.allow_layout`:
 the batch size, every sample dimension and the element count), never by what the peer announces. Activations must
 decode to finite values within :data:`~lightning_hetero.comm.validation.MAX_PEER_MAGNITUDE` (and the stage's dtype),
-int8 ones without a -128 byte or a scale that overflows (:meth:`~lightning_hetero.pipeline.codec.BoundaryCodec.
+int8 ones without a -128 byte or a scale that overflows (:meth:`~lightning_hetero.pipeline.boundary_codec.BoundaryCodec.
 decode_received`). Both raise :class:`~lightning_hetero.comm.validation.PeerPayloadError` naming the peer and the
 field (``header``, ``header.step``, ``header.batch``, ``header.codec``, ``header.ndim``, ``header.sample[i]``,
 ``payload``, ``values``, ``scale``). A bad header always raises
@@ -48,7 +49,7 @@ from lightning_hetero.comm.validation import (
     report_dropped,
     validate_on_bad_payload,
 )
-from lightning_hetero.pipeline.codec import BoundaryCodec
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec
 
 __all__ = [
     "HEADER_LENGTH",

@@ -2,8 +2,8 @@
 
 Code layouts (element ``i`` before ``i + 1``, first element in the low bits; the last byte is zero-padded):
 
-- **2-bit ternary**: code ``0 -> 0``, ``+1 -> 1``, ``-1 -> 2`` (the :mod:`lightning_hetero.comm.codecs` ternary code),
-  four per byte, ``ceil(n / 4)`` bytes.
+- **2-bit ternary**: code ``0 -> 0``, ``+1 -> 1``, ``-1 -> 2`` (the
+  :mod:`lightning_hetero.comm.payload_packing` ternary code), four per byte, ``ceil(n / 4)`` bytes.
 - **base-3 ternary**: five trits per byte as ``sum_j (t_j + 1) * 3**j`` (at most 242), ``ceil(n / 5)`` bytes (1.6 bits
   per trit, 1.58 being the entropy bound); padding trits are 0 (digit 1).
 - **1-bit binary**: bit set means ``-1`` (the seed's "+1 as an unset bit and -1 as a set bit"), ``ceil(n / 8)`` bytes.

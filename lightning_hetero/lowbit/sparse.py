@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
-from lightning_hetero.comm import codecs
+from lightning_hetero.comm import payload_packing
 from lightning_hetero.comm.validation import (
     MAX_PEER_MAGNITUDE,
     PeerPayloadError,
@@ -281,7 +281,7 @@ class SparseFlipExchange:
             raise ValueError("give exactly one of tau and density.")
         index_bits(numel)
         self.numel, self.k, self.tau, self.density = numel, k, tau, density
-        self.encoding = codecs.validate_value_encoding(encoding)
+        self.encoding = payload_packing.validate_value_encoding(encoding)
         self.mode, self.server, self.label, self.group, self.ledger = mode, server, label, group, ledger
         self.rule = rule
         self.last_message_nbytes: list[int] = []

@@ -8,7 +8,7 @@ The index section depends on ``numel`` (and on ``count`` only through its length
 of ``(count, numel, encoding)`` and a receiver can size a body from the 4-byte header alone:
 
 * ``numel <= 65536``: the indices at ``index_bits(numel)`` bits, 12 (``numel <= 4096``) or 16, in the
-  :mod:`lightning_hetero.comm.codecs` layouts.
+  :mod:`lightning_hetero.comm.payload_packing` layouts.
 * ``numel > 65536``: the flat space is cut into ``B = ceil(numel / 65536)`` blocks of :data:`BLOCK` codes (the last
   one possibly partial). The section is a block-count table, ``B`` counts of :data:`BLOCK_COUNT_BITS` (17) bits packed
   LSB-first (bit ``j`` of count ``b`` is bit ``(17 b + j) % 8`` of byte ``(17 b + j) // 8``, zero-padded to a byte),
@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_hetero.comm import codecs
+from lightning_hetero.comm import payload_packing
 from lightning_hetero.comm.validation import PeerPayloadError, check_values, peer_decoding
 
 __all__ = [
@@ -97,11 +97,11 @@ def _table_nbytes(count: int, numel: int) -> int:
 
 def index_section_nbytes(count: int, numel: int) -> int:
     """Exact size in bytes of the index section of ``count`` entries (block-count table included)."""
-    return _table_nbytes(count, numel) + codecs.index_nbytes(count, index_bits(numel))
+    return _table_nbytes(count, numel) + payload_packing.index_nbytes(count, index_bits(numel))
 
 
 def _value_nbytes(count: int, encoding: str) -> int:
-    return codecs.value_nbytes(count, encoding, rows=1 if count else 0)
+    return payload_packing.value_nbytes(count, encoding, rows=1 if count else 0)
 
 
 def sparse_message_nbytes(count: int, numel: int, encoding: str = "bf16") -> int:
@@ -150,9 +150,9 @@ def _pack_idx(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """Index section of validated ``indices`` (strictly increasing, in ``[0, numel)``)."""
     bits = index_bits(numel)
     if numel <= BLOCK or indices.numel() == 0:
-        return codecs.pack_indices(indices, bits)
+        return payload_packing.pack_indices(indices, bits)
     table = torch.bincount(indices >> 16, minlength=num_blocks(numel))
-    return torch.cat((_pack_bits(table, BLOCK_COUNT_BITS), codecs.pack_indices(indices & (BLOCK - 1), 16)))
+    return torch.cat((_pack_bits(table, BLOCK_COUNT_BITS), payload_packing.pack_indices(indices & (BLOCK - 1), 16)))
 
 
 def _unpack_idx(data: torch.Tensor, count: int, numel: int, what: str) -> torch.Tensor:
@@ -178,8 +178,8 @@ def _unpack_idx(data: torch.Tensor, count: int, numel: int, what: str) -> torch.
         if int(table.sum()) != count:
             raise _Invalid(f"{what}: block counts sum to {int(table.sum())}, the header says {count}.", "index_table")
     body = data[split:]
-    indices = codecs.unpack_indices(body, count, bits)
-    if bits == 12 and not torch.equal(codecs.pack_indices(indices, bits), body):
+    indices = payload_packing.unpack_indices(body, count, bits)
+    if bits == 12 and not torch.equal(payload_packing.pack_indices(indices, bits), body):
         raise _Invalid(f"{what}: non-canonical index encoding (padding bits set).", "indices")
     if split:
         blocks = torch.repeat_interleave(torch.arange(table.numel(), dtype=torch.int64), table)
@@ -218,7 +218,7 @@ def encode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, encod
     Raises:
         ValueError: Bad indices, mismatched lengths or non-finite values.
     """
-    encoding = codecs.validate_value_encoding(encoding)
+    encoding = payload_packing.validate_value_encoding(encoding)
     indices, values = indices.reshape(-1).cpu().long(), values.detach().reshape(-1).cpu().float()
     if indices.numel() != values.numel():
         raise ValueError(f"{indices.numel()} indices but {values.numel()} values.")
@@ -227,7 +227,7 @@ def encode_sparse(indices: torch.Tensor, values: torch.Tensor, numel: int, encod
     _check_indices(indices, numel, "encode_sparse")
     if not bool(torch.isfinite(values).all()):
         raise ValueError("encode_sparse: values contain NaN or Inf.")
-    parts = [_u32(indices.numel()), _pack_idx(indices, numel), codecs.pack_values(values, encoding)]
+    parts = [_u32(indices.numel()), _pack_idx(indices, numel), payload_packing.pack_values(values, encoding)]
     return torch.cat(parts)
 
 
@@ -277,7 +277,7 @@ def decode_sparse(
     Raises:
         PeerPayloadError: Any malformed input (see the module docstring); nothing is returned for it.
     """
-    encoding = codecs.validate_value_encoding(encoding)
+    encoding = payload_packing.validate_value_encoding(encoding)
     index_bits(numel)  # a bad local numel is the caller's ValueError, not the peer's
     return _decoded("sparse message", peer, lambda: _decode_sparse(data, numel, encoding))
 
@@ -292,7 +292,7 @@ def _decode_sparse(data: torch.Tensor, numel: int, encoding: str) -> tuple[torch
     raw = data[split:]
     if encoding in ("sign", "ternary") and count:
         _check_low_bit_values(raw, count, encoding, "sparse message")
-    values = codecs.unpack_values(raw, 1 if count else 0, count if count else 0, encoding).reshape(-1)
+    values = payload_packing.unpack_values(raw, 1 if count else 0, count if count else 0, encoding).reshape(-1)
     if not bool(torch.isfinite(values).all()):
         raise _Invalid("sparse message: values contain NaN or Inf.", "values")
     check_values(values, what="values")  # finite alone is not enough: 3e38 + 3e38 overflows a sum of lists

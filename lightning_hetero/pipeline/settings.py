@@ -18,7 +18,7 @@ from lightning_hetero.core.settings import check_choice, check_int
 __all__ = ["BOUNDARY_DTYPES", "BoundaryDtype", "PipelineSettings", "check_pipeline_field"]
 
 BOUNDARY_DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8")
-"""Codecs of :class:`~lightning_hetero.pipeline.codec.BoundaryCodec`."""
+"""Codecs of :class:`~lightning_hetero.pipeline.boundary_codec.BoundaryCodec`."""
 BoundaryDtype = Literal["fp32", "bf16", "int8"]
 
 

@@ -13,7 +13,8 @@ it), starts one collective for a whole bucket of pieces (:meth:`Replicator.launc
 Buckets contain the same parameters in the same order on every replica (the optimizer guarantees it), so their byte
 layout is identical everywhere and no header is sent. Every decode keeps the peer-payload rule of
 :mod:`lightning_hetero.comm.validation`: each rank's bytes are validated field by field (the validating codecs
-:func:`~lightning_hetero.comm.codecs.unpack_peer_indices` / :func:`~lightning_hetero.comm.codecs.unpack_peer_values`),
+:func:`~lightning_hetero.comm.payload_packing.unpack_peer_indices` /
+:func:`~lightning_hetero.comm.payload_packing.unpack_peer_values`),
 and the combination is checked again (finite, magnitude at most ``MAX_PEER_MAGNITUDE``: values finite alone can sum
 past fp32's range, and an inverse DCT adds up a block's coefficients) before it is handed to the optimizer; anything
 else raises :class:`PeerPayloadError` naming the replica (when one can be named) and the field. A group of one (or
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hetero import comm
-from lightning_hetero.comm.codecs import validate_value_encoding
+from lightning_hetero.comm.payload_packing import validate_value_encoding
 from lightning_hetero.comm.timing import union_seconds, wall_clock
 from lightning_hetero.comm.validation import (
     MAX_PEER_MAGNITUDE,
@@ -141,7 +142,7 @@ class Replicator(ABC):
     Args:
         kept_fraction: Fraction of coefficients kept, in ``(0, 1]``.
         values: Value encoding on the wire: ``"fp32"``, ``"bf16"``, ``"sign"`` (1 bit + per-row scale) or
-            ``"ternary"`` (2 bits + per-row scale); see :mod:`lightning_hetero.comm.codecs`.
+            ``"ternary"`` (2 bits + per-row scale); see :mod:`lightning_hetero.comm.payload_packing`.
         seed: Seed of replicators that select coordinates pseudo-randomly (the same on every replica).
     """
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_hetero.comm.codecs import dequantize_values, pack_values, unpack_peer_values, value_nbytes
+from lightning_hetero.comm.payload_packing import dequantize_values, pack_values, unpack_peer_values, value_nbytes
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.replication.base import Piece, Replicator, check_combined, kept_count
 

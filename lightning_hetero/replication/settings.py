@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-from lightning_hetero.comm.codecs import INDEX_BITS, VALUE_ENCODINGS
+from lightning_hetero.comm.payload_packing import INDEX_BITS, VALUE_ENCODINGS
 from lightning_hetero.core.settings import check_choice, check_fraction, check_int, check_positive
 from lightning_hetero.replication.base import Replicator
 from lightning_hetero.replication.dense import FullReplicator, RandomReplicator, StridingReplicator

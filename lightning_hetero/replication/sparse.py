@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.comm.codecs import (
+from lightning_hetero.comm.payload_packing import (
     index_nbytes,
     pack_indices,
     pack_values,
@@ -124,7 +124,7 @@ class _SparseReplicator(Replicator):
 
         Each rank's indices must lie inside their block and be unique within it (a repeat would be applied twice by
         ``pickers`` and ambiguously by the scatter), and its values must be finite and bounded
-        (:func:`~lightning_hetero.comm.codecs.unpack_peer_values`: also valid sign/ternary codes and scales).
+        (:func:`~lightning_hetero.comm.payload_packing.unpack_peer_values`: also valid sign/ternary codes and scales).
         """
         layout = self.transform.layout(piece.shape)
         if layout.n_blocks == 0:

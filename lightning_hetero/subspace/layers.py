@@ -181,7 +181,8 @@ class SubspaceEmbedding(nn.Module):
         return weight @ self.basis.to(weight.dtype).T if self.mode == "reparam" else weight
 
     def extra_repr(self) -> str:
-        return f"{self.vocab_size}, mode={self.mode}, subspace_dim={self._owner.subspace_dim}, padding_idx={self.padding_idx}"
+        k = self._owner.subspace_dim
+        return f"{self.vocab_size}, mode={self.mode}, subspace_dim={k}, padding_idx={self.padding_idx}"
 
 
 CONFINED_WRITER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, SubspaceLinear)

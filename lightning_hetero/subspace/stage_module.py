@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hetero.hf.decoder import DecoderParts, maybe_copy
-from lightning_hetero.pipeline.codec import BoundaryCodec
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec
 from lightning_hetero.subspace.basis import (
     FixedTokenTable,
     SubspaceBasis,
@@ -84,7 +84,7 @@ class StageModule(nn.Module):
             records the residual gradient there.
         is_first, is_last: Whether it embeds token ids / produces logits.
         config: The :class:`SubspaceConfig`; ``hf_config``: the HF config.
-        codec: The :class:`~lightning_hetero.pipeline.codec.BoundaryCodec` of its boundaries.
+        codec: The :class:`~lightning_hetero.pipeline.boundary_codec.BoundaryCodec` of its boundaries.
     """
 
     def __init__(

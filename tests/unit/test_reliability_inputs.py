@@ -69,7 +69,16 @@ def test_every_forged_input_is_rejected_and_no_input_crashes_or_is_applied_inval
     pickles = [c for c in result["cases"] if c["input"].startswith("malicious pickle")]
     assert len(pickles) == 6  # core load_part, MatFormer and sparseflip x (env var, weights_only=False), Fabric
     decoders = {case["decoder"].split()[0] for case in result["cases"]}
-    assert {"flexdemo", "lowbit", "matformer", "core", "subspace", "comm.codecs", "testbed", "layerwise"} <= decoders
+    assert {
+        "flexdemo",
+        "lowbit",
+        "matformer",
+        "core",
+        "subspace",
+        "comm.payload_packing",
+        "testbed",
+        "layerwise",
+    } <= decoders
     # The target: nothing crashes, nothing invalid is accepted, every forged input is refused.
     failures = [c for c in result["cases"] if c["outcome"] in ("accepted_invalid", "crashed")]
     assert result["crashed"] == 0 and result["accepted_invalid"] == 0, failures

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_hetero.comm import ByteLedger, codecs
+from lightning_hetero.comm import ByteLedger, payload_packing
 from lightning_hetero.comm.dump import dump_ledger, load_ledger_dumps
 from lightning_hetero.comm.validation import (
     PeerPayloadError,
@@ -52,11 +52,11 @@ def test_the_shared_checks_name_the_peer(device):
 
 
 @FUZZ
-@given(st.binary(max_size=64), st.integers(0, 40), st.sampled_from(codecs.INDEX_BITS))
+@given(st.binary(max_size=64), st.integers(0, 40), st.sampled_from(payload_packing.INDEX_BITS))
 def test_random_bytes_unpack_to_indices_in_range_or_are_refused(data, count, bits):
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     try:
-        indices = codecs.unpack_indices(raw, count, bits)
+        indices = payload_packing.unpack_indices(raw, count, bits)
     except ValueError:
         return
     assert indices.numel() == count
@@ -64,11 +64,11 @@ def test_random_bytes_unpack_to_indices_in_range_or_are_refused(data, count, bit
 
 
 @FUZZ
-@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(codecs.VALUE_ENCODINGS))
+@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(payload_packing.VALUE_ENCODINGS))
 def test_random_bytes_unpack_to_the_announced_shape_or_are_refused(data, rows, cols, encoding):
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     try:
-        values = codecs.unpack_values(raw, rows, cols, encoding)
+        values = payload_packing.unpack_values(raw, rows, cols, encoding)
     except ValueError:
         return
     assert values.shape == (rows, cols) and values.dtype == torch.float32  # finiteness: the callers' check_finite
@@ -80,7 +80,11 @@ def _bytes(data: bytes) -> torch.Tensor:
 
 @FUZZ
 @given(
-    st.binary(max_size=64), st.integers(0, 40), st.sampled_from(codecs.INDEX_BITS), st.integers(1, 5000), st.booleans()
+    st.binary(max_size=64),
+    st.integers(0, 40),
+    st.sampled_from(payload_packing.INDEX_BITS),
+    st.integers(1, 5000),
+    st.booleans(),
 )
 def test_random_bytes_keep_the_rule_in_the_peer_index_decoder(data, count, bits, limit, unique):
     def layout(indices: torch.Tensor) -> None:
@@ -88,23 +92,27 @@ def test_random_bytes_keep_the_rule_in_the_peer_index_decoder(data, count, bits,
         assert count == 0 or (int(indices.min()) >= 0 and int(indices.max()) < limit)
         if unique:
             assert indices.unique().numel() == count
-        assert torch.equal(codecs.pack_indices(indices, bits), _bytes(data))  # canonical: nothing was ignored
+        assert torch.equal(payload_packing.pack_indices(indices, bits), _bytes(data))  # canonical: nothing was ignored
 
     assert_decoder_rule(
-        lambda: codecs.unpack_peer_indices(_bytes(data), count, bits, limit=limit, rows=1 if unique else 0, peer=4),
+        lambda: payload_packing.unpack_peer_indices(
+            _bytes(data), count, bits, limit=limit, rows=1 if unique else 0, peer=4
+        ),
         peer=4,
         check_layout=layout,
     )
 
 
 @FUZZ
-@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(codecs.VALUE_ENCODINGS))
+@given(st.binary(max_size=96), st.integers(0, 4), st.integers(0, 8), st.sampled_from(payload_packing.VALUE_ENCODINGS))
 def test_random_bytes_keep_the_rule_in_the_peer_value_decoder(data, rows, cols, encoding):
     def layout(values: torch.Tensor) -> None:
         assert values.shape == (rows, cols) and values.dtype == torch.float32
 
     assert_decoder_rule(
-        lambda: codecs.unpack_peer_values(_bytes(data), rows, cols, encoding, peer=2), peer=2, check_layout=layout
+        lambda: payload_packing.unpack_peer_values(_bytes(data), rows, cols, encoding, peer=2),
+        peer=2,
+        check_layout=layout,
     )
 
 
@@ -112,14 +120,18 @@ def test_random_bytes_keep_the_rule_in_the_peer_value_decoder(data, rows, cols, 
 @given(
     st.integers(1, 4),
     st.integers(1, 9),
-    st.sampled_from(codecs.VALUE_ENCODINGS),
+    st.sampled_from(payload_packing.VALUE_ENCODINGS),
     st.integers(0, 10**6),
     st.integers(0, 255),
 )
 def test_a_valid_value_payload_with_one_corrupted_byte_keeps_the_rule(rows, cols, encoding, position, byte):
-    packed = codecs.pack_values(torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)), encoding)
+    packed = payload_packing.pack_values(
+        torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)), encoding
+    )
     packed[position % packed.numel()] = byte
-    decoded = assert_decoder_rule(lambda: codecs.unpack_peer_values(packed, rows, cols, encoding, peer=1), peer=1)
+    decoded = assert_decoder_rule(
+        lambda: payload_packing.unpack_peer_values(packed, rows, cols, encoding, peer=1), peer=1
+    )
     if decoded is not None and encoding in ("sign", "ternary"):  # accepted: valid codes, a scale >= 0
         scale = packed[-4 * rows :].clone().view(torch.float32)
         assert bool((scale >= 0).all()) and bool((decoded.abs() <= scale[:, None]).all())

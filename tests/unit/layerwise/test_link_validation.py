@@ -15,7 +15,7 @@ from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.layerwise.decoupled import HEADER_LENGTH, MAX_MESSAGE_ELEMENTS, ActivationLink
 from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.settings import LayerwiseSettings
-from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec, pack_int8
 from lightning_hetero.strategies.layerwise.fabric import LayerwiseStrategy as FabricLayerwise
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
 from tests.payload_rule import assert_decoder_rule

@@ -67,7 +67,7 @@ def test_defaults_equal_the_old_keyword_defaults(old):
 
 
 def test_choices_are_the_ones_the_exchange_and_the_codecs_accept():
-    from lightning_hetero.comm.codecs import VALUE_ENCODINGS
+    from lightning_hetero.comm.payload_packing import VALUE_ENCODINGS
     from lightning_hetero.comm.validation import BAD_PAYLOAD_POLICIES
     from lightning_hetero.lowbit import settings as module
     from lightning_hetero.lowbit.sparse import EXCHANGE_MODES

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from lightning_hetero.comm.codecs import pack_indices, pack_values
+from lightning_hetero.comm.payload_packing import pack_indices, pack_values
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.matformer.compressed import CompressedExchange, _Launched, build_demo_replicator
 from lightning_hetero.matformer.layout import widths_for

@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from lightning_hetero.pipeline.codec import BoundaryCodec
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec
 from lightning_hetero.pipeline.settings import BOUNDARY_DTYPES, BoundaryDtype, PipelineSettings
 
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_hetero.comm.codecs import pack_indices, pack_values
+from lightning_hetero.comm.payload_packing import pack_indices, pack_values
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
 from lightning_hetero.flexdemo.optim import DecoupledAdamW
 from lightning_hetero.replication import Bucket, DeMoReplicator, FullReplicator, Piece, build_replicator

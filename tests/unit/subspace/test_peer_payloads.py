@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_hetero.comm.validation import MAX_PEER_MAGNITUDE, PeerPayloadError
-from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec, pack_int8
 from lightning_hetero.subspace.pipeline import BACKWARD_TAG, FORWARD_TAG, PipelineExecutor
 from lightning_hetero.subspace.settings import SubspacePipelineSettings
 from tests.payload_rule import assert_decoder_rule

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_hetero.pipeline.codec import BoundaryCodec, pack_int8, unpack_int8
+from lightning_hetero.pipeline.boundary_codec import BoundaryCodec, pack_int8, unpack_int8
 from lightning_hetero.subspace import SubspaceConfig, build_stages
 from tests.unit.subspace._tiny import chain_with_messages, fresh, relative_error, tiny_model, token_ids
 

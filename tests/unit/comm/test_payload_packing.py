@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hetero.comm.codecs import (
+from lightning_hetero.comm.payload_packing import (
     dequantize_values,
     index_nbytes,
     pack_indices,
