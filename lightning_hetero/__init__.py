@@ -5,33 +5,30 @@ Importing this package is cheap (neither Lightning nor transformers is imported)
 Lightning loads them (see :mod:`lightning_hetero.strategies.registry`). The Trainer strategies are importable from
 here (``lightning_hetero.FlexDeMoStrategy``, ``MatFormerStrategy``, ``SubspacePipelineStrategy``), the Fabric ones
 from :mod:`lightning_hetero.fabric`, and each strategy's typed settings from both (``FlexDeMoSettings``,
-``MatFormerSettings``, ``ReplicationSettings``, ...: ``strategies.registry.SETTINGS_CLASSES``); all load on first
-access.
+``MatFormerSettings``, ``ReplicationSettings``, ...); all load on first access, from the one table in
+:mod:`lightning_hetero.strategies.registry`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_hetero.strategies.registry import (
-    SETTINGS_CLASSES,
     exported_classes,
+    exported_names,
     lazy_class,
     register_when_lightning_loads,
 )
 
-if TYPE_CHECKING:  # for type checkers (test_registry matches them to the table); at run time: on first access
-    from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy as FlexDeMoStrategy
-    from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy as LayerwiseStrategy
-    from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy as SparseFlipStrategy
-    from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy as MatFormerStrategy
-    from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy as SubspacePipelineStrategy
+# The strategy and settings classes are lazy attributes derived from the one table (``_STRATEGIES`` in
+# strategies/registry.py); no TYPE_CHECKING import list repeats it (a second copy that drifts): a type checker sees
+# them as ``Any`` here, and precisely when imported from their modules (``lightning_hetero.strategies.<name>.trainer``).
 
 __version__ = "0.1.0"
 
 register_when_lightning_loads()
 
-__all__ = [*exported_classes(fabric=False), "__version__"]  # the table in strategies/registry.py
+__all__ = [*exported_classes(fabric=False), "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -39,4 +36,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *exported_classes(fabric=False), *SETTINGS_CLASSES])
+    return sorted([*globals(), *exported_names(fabric=False)])

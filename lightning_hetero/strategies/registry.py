@@ -9,18 +9,21 @@ post-import hook on ``lightning.pytorch.strategies`` and ``lightning.fabric.stra
 (re-importing, or importing under ``__main__`` and again under the package name, must not raise "already present in
 the registry"). The Trainer lower-cases string flags, so names must be lowercase.
 
-A strategy joins by adding a :class:`StrategySpec` with the import paths of its Trainer and Fabric classes to
-``_STRATEGIES``: its ``_spawn`` alias, its registry names and the lazy attributes ``lightning_hetero.<Class>`` and
-``lightning_hetero.fabric.<Class>`` all follow from that one entry. Users register their own classes with
-:func:`register_strategy`.
+A strategy joins by adding one :class:`StrategySpec` to ``_STRATEGIES`` (the import paths of its Trainer and Fabric
+classes and of its settings): everything else is derived from that entry, namely its ``_spawn`` alias, its names in
+both registries, the lazy attributes ``lightning_hetero.<Class>``, ``lightning_hetero.fabric.<Class>`` and
+``<Settings>`` (:data:`SETTINGS_CLASSES`), the short class names of the ``lightning-hetero`` command
+(:func:`import_cli_classes`) and the names its typo check suggests (:func:`unknown_strategy_message`). Users register
+their own classes with :func:`register_strategy`.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.abc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -40,6 +43,8 @@ class StrategySpec:
     """One line shown by ``StrategyRegistry.available_strategies()`` consumers."""
     init_params: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments bound to the name (e.g. ``{"start_method": "spawn"}`` for a ``*_spawn`` alias)."""
+    settings_class: str | None = None
+    """Import path of the strategy's typed settings (``lightning_hetero.<Settings>``), or None if it has none."""
 
 
 def spawn_alias(spec: StrategySpec) -> StrategySpec:
@@ -50,6 +55,7 @@ def spawn_alias(spec: StrategySpec) -> StrategySpec:
         spec.fabric_class,
         description=f"{spec.description} (start_method='spawn')",
         init_params={**spec.init_params, "start_method": "spawn"},
+        settings_class=spec.settings_class,
     )
 
 
@@ -59,49 +65,52 @@ _STRATEGIES = (
         "lightning_hetero.strategies.matformer.trainer:MatFormerStrategy",
         "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
         description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
+        settings_class="lightning_hetero.matformer.settings:MatFormerSettings",
     ),
     StrategySpec(
         "flexdemo",
         "lightning_hetero.strategies.flexdemo.trainer:FlexDeMoStrategy",
         "lightning_hetero.strategies.flexdemo.fabric:FlexDeMoStrategy",
         description="FlexDeMo: FSDP2 inside a node, compressed decoupled-momentum replication between nodes",
+        settings_class="lightning_hetero.flexdemo.settings:FlexDeMoSettings",
     ),
     StrategySpec(
         "subspace_pipeline",
         "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
         "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
         description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
+        settings_class="lightning_hetero.subspace.settings:SubspacePipelineSettings",
     ),
     StrategySpec(
         "sparseflip",
         "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
         "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
         description="Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients",
+        settings_class="lightning_hetero.lowbit.settings:SparseFlipSettings",
     ),
     StrategySpec(
         "layerwise",
         "lightning_hetero.strategies.layerwise.trainer:LayerwiseStrategy",
         "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
         description="Decoupled greedy layerwise training (DGL): one block per stage, local losses, forward-only",
+        settings_class="lightning_hetero.layerwise.settings:LayerwiseSettings",
     ),
 )
 
 BUILTIN_STRATEGIES: list[StrategySpec] = [entry for spec in _STRATEGIES for entry in (spec, spawn_alias(spec))]
 """Strategies shipped by this package, each followed by its ``_spawn`` alias: the one table that the registries,
-``lightning_hetero.<Class>`` and ``lightning_hetero.fabric.<Class>`` are built from."""
+``lightning_hetero.<Class>``, ``lightning_hetero.fabric.<Class>``, the settings attributes, the CLI's short class names
+and the typo check's list of names are derived from (read at each use, so a spec added here is seen everywhere)."""
 
 
-SETTINGS_CLASSES: dict[str, str] = {
-    "FlexDeMoSettings": "lightning_hetero.flexdemo.settings",
-    "MatFormerSettings": "lightning_hetero.matformer.settings",
-    "SubspacePipelineSettings": "lightning_hetero.subspace.settings",
-    "LayerwiseSettings": "lightning_hetero.layerwise.settings",
-    "SparseFlipSettings": "lightning_hetero.lowbit.settings",
-    "ReplicationSettings": "lightning_hetero.replication.settings",
-}
-"""Class name -> module of the typed settings (one per strategy, plus the replication settings they share):
-``from lightning_hetero import FlexDeMoSettings`` (and from :mod:`lightning_hetero.fabric`), loaded on first access.
-They take the same settings in the Trainer and in Fabric."""
+SHARED_SETTINGS_CLASSES: dict[str, str] = {"ReplicationSettings": "lightning_hetero.replication.settings"}
+"""Settings that several strategies embed (not a strategy's own), exported next to the strategies' settings."""
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``"package.module:Class"`` -> ``("Class", "package.module")``."""
+    module, _, name = path.partition(":")
+    return name, module
 
 
 def exported_classes(fabric: bool) -> dict[str, str]:
@@ -110,9 +119,25 @@ def exported_classes(fabric: bool) -> dict[str, str]:
     for spec in BUILTIN_STRATEGIES:
         path = spec.fabric_class if fabric else spec.trainer_class
         if path:
-            module, _, name = path.partition(":")
-            classes.setdefault(name, module)
+            classes.setdefault(*_split(path))
     return classes
+
+
+def settings_classes() -> dict[str, str]:
+    """Class name -> module of every typed settings class: each strategy's own, then the shared ones."""
+    classes = dict(_split(spec.settings_class) for spec in BUILTIN_STRATEGIES if spec.settings_class)
+    return {**classes, **SHARED_SETTINGS_CLASSES}
+
+
+SETTINGS_CLASSES: dict[str, str] = settings_classes()
+"""Class name -> module of the typed settings (one per strategy, from ``_STRATEGIES``, plus the shared ones):
+``from lightning_hetero import FlexDeMoSettings`` (and from :mod:`lightning_hetero.fabric`), loaded on first access.
+They take the same settings in the Trainer and in Fabric."""
+
+
+def exported_names(fabric: bool) -> list[str]:
+    """Every lazy attribute of ``lightning_hetero`` (or ``lightning_hetero.fabric``): strategy and settings classes."""
+    return [*exported_classes(fabric), *settings_classes()]
 
 
 def lazy_class(name: str, fabric: bool, owner: str) -> type:
@@ -122,10 +147,43 @@ def lazy_class(name: str, fabric: bool, owner: str) -> type:
         AttributeError: ``name`` is no built-in strategy class of that kind nor a settings class (as a missing module
             attribute would).
     """
-    module = exported_classes(fabric).get(name) or SETTINGS_CLASSES.get(name)
+    module = exported_classes(fabric).get(name) or settings_classes().get(name)
     if module is None:
         raise AttributeError(f"module {owner!r} has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def import_trainer_classes() -> list[type]:
+    """Import every built-in Trainer strategy class and settings class (for the CLI, whose YAML names them by short
+    class name: jsonargparse finds a class by name among the subclasses imported so far)."""
+    names = [*exported_classes(fabric=False), *settings_classes()]
+    return [lazy_class(name, fabric=False, owner=__name__) for name in names]
+
+
+def unknown_strategy_message(name: str, registered: Iterable[str]) -> str | None:
+    """The message for a strategy name that is not registered (None when ``name`` is registered, or ``"auto"``).
+
+    Lists our names (without their ``_spawn`` aliases) and suggests the closest registered name, ours or Lightning's.
+
+    Args:
+        name: The name given (``Trainer(strategy=...)``, ``strategy:`` in YAML, ``--trainer.strategy``).
+        registered: The names the registry knows (``StrategyRegistry.available_strategies()``).
+    """
+    key, names = name.lower(), list(registered)
+    if key == "auto" or key in names:
+        return None
+    specs = [spec for spec in BUILTIN_STRATEGIES if not spec.name.endswith("_spawn")]
+    ours = [spec.name for spec in specs]
+    by_class = {_split(spec.trainer_class)[0].lower(): spec.name for spec in specs if spec.trainer_class}
+    close = [by_class[key]] if key in by_class else []  # a class name where a name goes ("FlexDeMoStrategy")
+    close = close or difflib.get_close_matches(key, [*ours, *(n for n in names if n not in ours)], n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"strategy={name!r} is not a registered strategy name.{hint}\n"
+        f"  lightning-hetero strategies: {', '.join(ours)} (each also as <name>_spawn).\n"
+        "  Lightning's own: auto, ddp, ddp_spawn, fsdp, deepspeed, ... (StrategyRegistry.available_strategies()).\n"
+        "  A class works too: `strategy: {class_path: FlexDeMoStrategy, init_args: {settings: {...}}}`."
+    )
 
 
 TRAINER_REGISTRY_MODULE = "lightning.pytorch.strategies"

@@ -7,6 +7,7 @@ The runtime (:class:`~lightning_hetero.subspace.runtime.SubspacePipelineRuntime`
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -123,6 +124,23 @@ class SubspacePipelineSettings:
         if self.compress and self.subspace_dim is None and self.dim_ratio is None:
             return DEFAULT_DIM_RATIO
         return self.dim_ratio
+
+    def check_model_types(self, model_types: Collection[str]) -> None:
+        """Raise ``ValueError`` unless one of the HF ``model_types`` (``config.model_type`` of the models a module
+        holds or will build) is a family this pipeline can split: checked by the launching process, before any
+        worker starts. None known (a model built later, or not from HF) passes: the workers check the built model.
+        """
+        from lightning_hetero.hf.decoder import SUPPORTED_FAMILIES  # torch only when a launcher checks a model
+
+        families = list(SUPPORTED_FAMILIES.values())
+        if not model_types or any(kind in families for kind in model_types):
+            return
+        raise ValueError(
+            f"subspace_pipeline cannot split a {'/'.join(sorted(model_types))!r} model: it takes the Llama family "
+            f"({', '.join(families)}: pre-norm decoders whose residual writers are o_proj and down_proj). Use such a "
+            "model (e.g. preset llama-tiny), or another strategy (flexdemo takes any model; matformer and layerwise "
+            "take GPT-2 too)."
+        )
 
 
 DEFAULT_SETTINGS = SubspacePipelineSettings()

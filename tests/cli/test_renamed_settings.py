@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hetero.cli import build_cli, renamed_setting_message
+from lightning_hetero.cli import build_cli
+from lightning_hetero.cli.errors import renamed_settings_message
 from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.replication import ReplicationSettings
 
@@ -89,13 +90,13 @@ def test_renamed_key_fails_naming_the_new_key(tmp_path, monkeypatch, capsys, how
 
 def test_other_errors_keep_jsonargparse_message():
     assert (
-        renamed_setting_message("Problem with given class_path 'x.Y':\n  Option 'compression' is not accepted") is None
+        renamed_settings_message("Problem with given class_path 'x.Y':\n  Option 'compression' is not accepted") is None
     )
     message = "Problem with given class_path 'lightning_hetero.FlexDeMoStrategy':\n  Option 'bogus' is not accepted"
-    assert renamed_setting_message(message) is None
+    assert renamed_settings_message(message) is None
     # a strategy without settings_class (not converted, or a user's) is skipped
     message = "class_path 'lightning.pytorch.strategies.DDPStrategy':\n  Option 'shard_size' is not accepted"
-    assert renamed_setting_message(message) is None
+    assert renamed_settings_message(message) is None
 
 
 def _attributes(cls: type) -> dict[str, str]:

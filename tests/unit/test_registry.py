@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
@@ -15,7 +17,13 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 
 import lightning_hetero
 from lightning_hetero.strategies import registry as registry_module
-from lightning_hetero.strategies.registry import StrategySpec, register_builtin_strategies, register_strategy
+from lightning_hetero.strategies.registry import (
+    StrategySpec,
+    register_builtin_strategies,
+    register_strategy,
+    spawn_alias,
+    unknown_strategy_message,
+)
 
 
 class _TrainerProbe(SingleDeviceStrategy):
@@ -32,6 +40,7 @@ def probe_name():
     yield name
     for registry in (StrategyRegistry, FABRIC_REGISTRY):
         dict.pop(registry, name, None)
+        dict.pop(registry, f"{name}_spawn", None)
 
 
 def test_register_in_both_registries_idempotently(probe_name):
@@ -139,22 +148,70 @@ def test_package_attributes_come_from_the_one_table():
     for name, path in fabric_classes.items():
         assert getattr(fabric, name) is registry_module.import_class(path)
         assert name in dir(fabric)
-    # The TYPE_CHECKING imports (for type checkers only) name exactly the table's classes.
-    modules = {n: p.partition(":")[0] for n, p in trainer_classes.items()}
-    assert _type_checking_imports(lightning_hetero.__file__) == modules
-    assert _type_checking_imports(fabric.__file__) == {n: p.partition(":")[0] for n, p in fabric_classes.items()}
+    for name, module in registry_module.SETTINGS_CLASSES.items():
+        assert (
+            getattr(lightning_hetero, name) is getattr(fabric, name) is getattr(importlib.import_module(module), name)
+        )
+        assert name in dir(lightning_hetero) and name in dir(fabric)
 
 
-def _type_checking_imports(path: str) -> dict[str, str]:
-    tree = ast.parse(Path(path).read_text())
-    blocks = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
-    return {
-        alias.name: node.module
-        for block in blocks
-        for node in block.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
+def test_no_second_list_of_class_names():
+    """The packages hold no TYPE_CHECKING import list (nor any other import of a strategy or settings class): every
+    name comes from the table, so a new strategy cannot be half-registered."""
+    import lightning_hetero.fabric as fabric
+
+    for module in (lightning_hetero, fabric):
+        tree = ast.parse(Path(module.__file__).read_text())
+        blocks = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
+        assert not blocks, f"{module.__name__} repeats the table in a TYPE_CHECKING block"
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not imported & {*registry_module.exported_names(fabric=module is fabric)}, module.__name__
+
+
+def test_each_specs_settings_class_is_its_adapters():
+    """The table's ``settings_class`` is the one the Trainer and Fabric adapters take (``settings_class``)."""
+    for spec in registry_module.BUILTIN_STRATEGIES:
+        settings = registry_module.import_class(spec.settings_class)
+        for path in (spec.trainer_class, spec.fabric_class):
+            assert registry_module.import_class(path).settings_class is settings, path
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProbeSettings:
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+
+def test_a_new_strategy_needs_one_entry(monkeypatch, probe_name):
+    """One StrategySpec reaches every place a strategy is known: both registries (and its ``_spawn`` alias), the
+    Trainer and Fabric package attributes, the settings attribute, the CLI's short class names and the typo check."""
+    import lightning_hetero.fabric as fabric
+    from lightning_hetero.cli.strategy_flags import class_form
+
+    spec = StrategySpec(
+        probe_name,
+        f"{__name__}:_TrainerProbe",
+        f"{__name__}:_FabricProbe",
+        init_params={"device": "cpu"},
+        settings_class=f"{__name__}:_ProbeSettings",
+    )
+    table = (*registry_module._STRATEGIES, spec)
+    monkeypatch.setattr(registry_module, "BUILTIN_STRATEGIES", [e for s in table for e in (s, spawn_alias(s))])
+    registered = register_builtin_strategies()
+    assert {probe_name, f"{probe_name}_spawn"} <= set(registered)
+    assert isinstance(StrategyRegistry.get(probe_name), _TrainerProbe)
+    assert isinstance(FABRIC_REGISTRY.get(probe_name), _FabricProbe)
+    assert dict.get(FABRIC_REGISTRY, f"{probe_name}_spawn")["strategy"].resolve() is _FabricProbe
+    assert lightning_hetero._TrainerProbe is _TrainerProbe and "_TrainerProbe" in lightning_hetero.__dir__()
+    assert fabric._FabricProbe is _FabricProbe and "_FabricProbe" in fabric.__dir__()
+    assert lightning_hetero._ProbeSettings is fabric._ProbeSettings is _ProbeSettings
+    assert _TrainerProbe in registry_module.import_trainer_classes()  # the CLI's short class names
+    assert _ProbeSettings in registry_module.import_trainer_classes()
+    assert class_form(probe_name, StrategyRegistry) == {
+        "class_path": f"{__name__}._TrainerProbe",
+        "init_args": {"device": "cpu"},
     }
+    message = unknown_strategy_message(probe_name + "x", StrategyRegistry.available_strategies())
+    assert f"Did you mean {probe_name!r}?" in message and f"layerwise, {probe_name} (each" in message
 
 
 def test_a_spec_appended_to_the_table_is_a_package_attribute(monkeypatch, probe_name):
