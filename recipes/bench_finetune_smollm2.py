@@ -12,6 +12,8 @@ seed, Shakespeare split, number of steps and tokens per step (2 x ``--seq-len``)
 - ``pipeline-plain``: 2 stages (15 layers each), ``compress=False``, 2 micro-batches of 1 sequence (1F1B);
 - ``pipeline-ssn``: the same with the subspace at ``dim_ratio = d/k = 16`` and bf16 boundary coordinates.
 
+Any subset of the strategies runs (``--strategies flexdemo`` alone is fine); a strategy is compared with its baseline
+(flexdemo with ddp, pipeline-ssn with pipeline-plain) only when both ran, and R needs ddp.
 Each of ``--ddp-lrs`` / ``--flexdemo-lrs`` / ``--pipeline-lrs`` is a separate testbed run (every strategy gets its
 own learning rates; the best by validation loss after training is compared). A one-process run of the same model and
 micro-batch without communication gives the compute time per step, hence R = DDP's link seconds per step at the
@@ -94,10 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup {args.warmup} must be >= 0 and below --steps and --compute-steps.")
     if any(lr <= 0 for lr in args.ddp_lrs + args.flexdemo_lrs + args.pipeline_lrs):
         parser.error("learning rates (--ddp-lrs, --flexdemo-lrs, --pipeline-lrs) must be > 0.")
-    if "flexdemo" in args.strategies and "ddp" not in args.strategies:
-        parser.error("--strategies: flexdemo is compared with ddp (which also gives R); add ddp.")
-    if "pipeline-ssn" in args.strategies and "pipeline-plain" not in args.strategies:
-        parser.error("--strategies: pipeline-ssn is compared with pipeline-plain; add pipeline-plain.")
+    args.strategies = list(dict.fromkeys(args.strategies))  # a strategy named twice runs once
     return args
 
 
@@ -205,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.reuse and saved.is_file() and json.loads(saved.read_text())["command"] == command:
                 run = json.loads(saved.read_text())  # an earlier invocation finished this run with these settings
             else:
+                log = out.with_suffix(".log")
+                print(f"[{strategy} lr {lr:g}] running; progress (tok/s, eta): tail -f {log}", flush=True)
                 run = {**testbed_run(command, args.bandwidth, out, args.timeout), "command": command}
                 run["load_average_after_1_5_15"] = list(os.getloadavg())  # the machine is shared: say how busy
                 saved.write_text(json.dumps(run))

@@ -131,8 +131,8 @@ class OwnReplicatorCausalLM(CausalLMModule):
             return config
         original = config["optimizer"]
         config["optimizer"], _ = convert_optimizer(
-            original, self.replicator_factory, adamw_exchange=self.adamw_exchange
-        )
+            original, self.replicator_factory, adamw_exchange=self.adamw_exchange, preconditioner_beta2=None
+        )  # the recorded sweeps ran with the module's own beta2
         repoint_scheduler(config["lr_scheduler"]["scheduler"], original, config["optimizer"])
         return config
 

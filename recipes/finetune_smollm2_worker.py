@@ -165,11 +165,15 @@ def lightning_run(args: argparse.Namespace) -> dict[str, Any]:
         strategy = DDPStrategy()
     else:
         strategy = flexdemo_strategy(args)
+    from lightning_hetero.callbacks import ThroughputProgressBar
+
     clock = StepClock(wire=args.wire_counters)
+    # Rank 0's bar (tok/s, s/step, eta from the first step on) goes to the run's log: tail -f it to follow a run.
+    bar = [ThroughputProgressBar()] if rank == 0 else []
     trainer = L.Trainer(
         accelerator="cpu", devices=ranks_per_node, num_nodes=world_size // ranks_per_node, strategy=strategy,
         max_steps=args.steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, LossRecorder(clock)],
+        enable_progress_bar=rank == 0, enable_model_summary=False, callbacks=[clock, LossRecorder(clock), *bar],
     )  # fmt: skip
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)

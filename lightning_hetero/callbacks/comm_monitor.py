@@ -160,6 +160,17 @@ class CommunicationMonitor(Callback):
         self._step_at_batch_start = 0
         self._coverage = ""
 
+    def logs_metric(self, name: str) -> bool:
+        """Whether this callback logs ``name`` (a ``comm/{label}/bytes_*`` name of a label it logs).
+
+        Strategies that report their step's bytes under the same names leave them to this callback when it is
+        attached (one name per meaning, one source: docs/metrics.md).
+        """
+        parts = name.split("/")
+        if len(parts) != 3 or parts[0] != "comm" or not parts[2].startswith("bytes_"):
+            return False
+        return self.labels is None or parts[1] in self.labels
+
     @property
     def ledger(self) -> ByteLedger:
         """The ledger this callback reads: the process-global one."""

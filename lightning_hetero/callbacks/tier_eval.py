@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hetero import comm
 from lightning_hetero.callbacks.eval_report import (
     check_evaluable,
     mean_validation_loss,
@@ -30,7 +32,10 @@ from lightning_hetero.callbacks.tier_source import callback_tiers
 from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.slicing import tier_view
 
-__all__ = ["TierEvaluation"]
+__all__ = ["METRICS_LABEL", "TierEvaluation"]
+
+METRICS_LABEL = "metrics"
+"""Ledger label of rank 0's per-tier values sent to the other ranks (a metric, kept apart from gradient bytes)."""
 
 
 class TierEvaluation(Callback):
@@ -55,11 +60,15 @@ class TierEvaluation(Callback):
     and then these are the batches Lightning's loop used, on one process).
 
     Processes: with a tiered strategy (``trainer.strategy`` has a ``tier``), a rank at tier ``t`` can only run tiers
-    ``>= t``, so only global rank 0 (tier 0, the full model) evaluates and logs, with ``rank_zero_only=True``; the
-    other ranks skip. Do not monitor these metrics with ``ModelCheckpoint``/``EarlyStopping`` there (only rank 0 has
-    them). With any other strategy every rank evaluates the whole (unsharded) loader, so sharded forwards work, and
-    logs without syncing (the values are equal). A tier the local model can no longer run (sliced narrower) is
-    skipped with a warning.
+    ``>= t``, so only global rank 0 (tier 0, the full model) evaluates; it broadcasts its values (one float64 per tier,
+    ledger label ``"metrics"``) and every rank logs them. With any other strategy every rank evaluates the whole
+    (unsharded) loader, so sharded forwards work. Either way every rank logs the same values with ``sync_dist=True``
+    (the mean over ranks is the value itself), so ``ModelCheckpoint``/``EarlyStopping`` may monitor them on any rank.
+    A tier the local model can no longer run (sliced narrower) is skipped with a warning.
+
+    These are not Lightning's ``val_loss``/``val/loss`` (docs/metrics.md): that one is the mean over ranks of each
+    rank's shard of the loader at the width the rank trains (under MatFormer, a mix of tiers), while
+    ``val/loss_tier{t}`` is the whole loader (or its fair sample) at tier ``t``.
 
     Args:
         tiers: Tiers to evaluate. None: the tiers the run trains, read at setup: ``MatFormerStrategy``'s
@@ -152,12 +161,29 @@ class TierEvaluation(Callback):
         if trainer.sanity_checking:
             return
         tiered = is_tiered(trainer)
-        if tiered and trainer.global_rank != 0:
-            return  # only global rank 0 holds the full model, so only it can run every tier
+        tiers = self.resolved_tiers if self.resolved_tiers is not None else self.resolve_tiers(trainer)
+        # Only global rank 0 holds the full model under a tiered strategy, so only it can run every tier.
+        losses = self._evaluate_tiers(trainer, pl_module) if not tiered or trainer.global_rank == 0 else {}
+        if tiered and trainer.world_size > 1:
+            losses = _from_rank_zero(losses, tiers, trainer.strategy.root_device)
+        self.results = {}
+        for tier, loss in losses.items():
+            self.results[tier] = {"loss": loss}
+            names = {"loss": f"val/loss_tier{tier}" if self.metric is None else f"{self.metric}_tier{tier}"}
+            if self.perplexity:
+                self.results[tier]["perplexity"] = math.exp(min(loss, 80.0))
+                names["perplexity"] = f"val/perplexity_tier{tier}"
+            for key, value in self.results[tier].items():
+                # Every rank holds the same value here, so the epoch-level mean over ranks is that value (and
+                # ModelCheckpoint/EarlyStopping see the same number on every rank).
+                pl_module.log(names[key], value, on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
+
+    def _evaluate_tiers(self, trainer: Trainer, pl_module: LightningModule) -> dict[int, float]:
+        """Each resolved tier's mean validation value, for the tiers this process can run."""
         self._check(trainer, pl_module)
         blocks = find_ffns(pl_module)
         limit = self._limit(trainer)
-        self.results = {}
+        losses: dict[int, float] = {}
         assert self.resolved_tiers is not None  # set by _check
         for tier in self.resolved_tiers:
             if not runnable(blocks, tier):
@@ -168,19 +194,12 @@ class TierEvaluation(Callback):
                         f"{strategy_tier(trainer)}); skipping tier {tier}."
                     )
                 continue
-            loss = self.evaluate(trainer, pl_module, tier, limit)
-            self.results[tier] = {"loss": loss}
-            names = {"loss": f"val/loss_tier{tier}" if self.metric is None else f"{self.metric}_tier{tier}"}
-            if self.perplexity:
-                self.results[tier]["perplexity"] = math.exp(min(loss, 80.0))
-                names["perplexity"] = f"val/perplexity_tier{tier}"
-            for key, value in self.results[tier].items():
-                pl_module.log(
-                    names[key],
-                    value,
-                    on_step=False,
-                    on_epoch=True,
-                    sync_dist=False,
-                    rank_zero_only=tiered,
-                    batch_size=1,
-                )
+            losses[tier] = self.evaluate(trainer, pl_module, tier, limit)
+        return losses
+
+
+def _from_rank_zero(losses: dict[int, float], tiers: list[int], device: torch.device) -> dict[int, float]:
+    """Global rank 0's ``{tier: loss}`` on every rank: one float64 broadcast (NaN: a tier rank 0 skipped)."""
+    values = torch.tensor([losses.get(tier, math.nan) for tier in tiers], dtype=torch.float64, device=device)
+    comm.broadcast(values, 0, label=METRICS_LABEL)
+    return {tier: float(value) for tier, value in zip(tiers, values.tolist(), strict=True) if not math.isnan(value)}

@@ -49,8 +49,8 @@ def convert_optimizer(
     make_replicator: Callable[[], Any],
     owner: str = "FlexDeMoStrategy",
     *,
-    adamw_exchange: str = "preconditioned",
-    preconditioner_beta2: float | None = None,
+    adamw_exchange: str,
+    preconditioner_beta2: float | None,
 ) -> tuple[ReplicatingOptimizer, str]:
     """A replicating optimizer with the same param groups and hyperparameters as ``optimizer``.
 
@@ -58,7 +58,8 @@ def convert_optimizer(
         optimizer: The user's optimizer (no state yet).
         make_replicator: Builds the strategy's replicator for a converted optimizer.
         owner: Name used in messages.
-        adamw_exchange: ``exchange`` of a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"``,
+        adamw_exchange: ``FlexDeMoSettings.adamw_exchange`` (no default here: the settings hold it), the ``exchange`` of
+            a ``DecoupledAdamW`` converted from AdamW/Adam (``"direction"``,
             ``"preconditioned"`` or ``"gradient"``; see :class:`~lightning_hetero.flexdemo.optim.DecoupledAdamW`).
         preconditioner_beta2: With ``adamw_exchange="preconditioned"`` and a compressing replicator, the ``beta2``
             of every converted param group (``beta1`` kept, unused in that mode); None keeps the optimizer's own.

@@ -250,9 +250,10 @@ class ReplicatingOptimizer(torch.optim.Optimizer):
 
     def comm_stats(self) -> dict[str, Any]:
         """Of the last completed step: ``launched_early`` (parameters launched before ``step()``), ``buckets``,
-        ``wait_seconds`` (blocked in wait), ``comm_seconds`` (launch to completion, summed over buckets; an upper
-        bound: completion is observed when waited for), ``encode_seconds``, ``decode_seconds``, ``payload_bytes``
-        (this rank's inter-node payload) and ``step`` (steps completed)."""
+        ``wait_seconds`` (blocked in wait), ``comm_seconds`` (wall-clock time with a bucket in flight: the union
+        of the buckets' launch-to-completion spans, at most the step; completion is observed when waited for),
+        ``encode_seconds``, ``decode_seconds``, ``payload_bytes`` (this rank's inter-node payload) and ``step``
+        (steps completed)."""
         return dict(self._last_stats)
 
     # ----------------------------------------------------------------------------------------- subclass API

@@ -216,7 +216,7 @@ class SparseFlipRuntime(StrategyRuntime):
         self._pending = (indices, directions)
         self._metrics = {
             "lowbit/selected": float(self.exchange.last_selected),
-            "comm/inter_bytes_sent": float(comm.get_ledger().totals(comm.INTER).sent - sent_before),
+            "comm/inter/bytes_sent_step": float(comm.get_ledger().totals(comm.INTER).sent - sent_before),
             "comm/flip_bytes_sent": float(self.exchange.last_bytes[0]),
             "comm/flip_bytes_received": float(self.exchange.last_bytes[1]),
         }

@@ -180,7 +180,7 @@ def test_trainer_trains_and_converts_adamw(runs):
         # The scheduler, re-pointed at the converted optimizer, stepped 6 times and set its lr.
         assert straight["scheduler_lr"] == [pytest.approx(1e-2 / 7)]
         assert straight["optimizer_lr"] == pytest.approx(1e-2 / 7)
-        assert straight["metrics"]["comm/inter_bytes_sent"] > 0
+        assert straight["metrics"]["comm/inter/bytes_sent_step"] > 0
         assert 0.0 <= straight["metrics"]["comm/hidden_fraction"] <= 1.0
     for shard in range(2):
         for name, value in runs[shard]["straight"]["params"].items():

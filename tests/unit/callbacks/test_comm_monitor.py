@@ -248,3 +248,22 @@ def test_log_step_metrics_writes_the_loggers_at_the_given_steps_only_and_callbac
     layer = trainer.callback_metrics["probe/layer"]
     assert layer.dtype == torch.float64 and int(layer.item()) == 2**53 + 4
     assert set(trainer.progress_bar_metrics) == {"probe/mean"}
+
+
+def test_a_strategys_step_bytes_are_left_to_an_attached_monitor():
+    from types import SimpleNamespace
+
+    from lightning_hetero.strategies.metric_names import without_callback_metrics
+
+    metrics = {"comm/inter/bytes_sent_step": 7.0, "comm/hidden_fraction": 0.5, "comm/flip_bytes_sent": 3.0}
+    every = CommunicationMonitor()
+    assert every.logs_metric("comm/inter/bytes_sent_step") and not every.logs_metric("comm/hidden_fraction")
+    assert not every.logs_metric("comm/flip_bytes_sent")  # not a per-label name: the strategy's own
+    assert without_callback_metrics(SimpleNamespace(callbacks=[every]), metrics) == {
+        "comm/hidden_fraction": 0.5,
+        "comm/flip_bytes_sent": 3.0,
+    }
+    intra_only = CommunicationMonitor(labels=["intra"])  # does not log inter: the strategy keeps its value
+    assert without_callback_metrics(SimpleNamespace(callbacks=[intra_only]), metrics) == metrics
+    assert without_callback_metrics(SimpleNamespace(callbacks=[]), metrics) == metrics
+    assert without_callback_metrics(None, metrics) == metrics

@@ -90,6 +90,27 @@ def test_before_and_after_are_exact_means_and_training_helps():
     assert trained.training, "the module is put back in train mode"
 
 
+class _LogsValLoss(_Regression):
+    """A user's module that logs Lightning's ``val_loss`` (epoch mean, weighted by the inferred batch size)."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = self(**batch).loss
+        self.log("val_loss", loss)
+        return loss
+
+
+def test_same_batches_same_moment_equal_lightnings_val_loss():
+    # docs/metrics.md: on one process, over the same batches of the same model at the same moment (the last
+    # validation runs at the last step), ValidationReport's "after" is Lightning's val_loss; they differ only by
+    # batches, ranks, width or moment.
+    torch.manual_seed(0)
+    module = _LogsValLoss()
+    report = ValidationReport(limit_batches=None)
+    trainer = _trainer(report, max_steps=16, check_val_every_n_epoch=1)  # 8 batches per epoch: validation at 8, 16
+    trainer.fit(module, datamodule=_Data())
+    assert report.after == pytest.approx(float(trainer.callback_metrics["val_loss"]), rel=1e-6)
+
+
 def test_all_batches_without_a_limit_are_the_plain_mean():
     torch.manual_seed(0)
     initial = _Regression()

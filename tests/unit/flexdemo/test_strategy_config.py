@@ -59,6 +59,10 @@ def test_bad_settings_fail_at_construction(build, match):
         build()
 
 
+_EXCHANGE = {"adamw_exchange": "preconditioned", "preconditioner_beta2": None}
+"""``convert_optimizer``'s exchange arguments for the cases that do not test them (it has no defaults)."""
+
+
 def test_shard_size_must_divide_ranks_per_node_before_launch():
     with pytest.raises(
         ValueError, match=r"settings.shard_size=3 must divide the 4 ranks per node.*Valid values: \[1, 2, 4\]"
@@ -166,7 +170,7 @@ def test_adamw_becomes_decoupled_adamw_with_the_same_groups_and_scheduler():
         eps=1e-6,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
-    converted, description = convert_optimizer(adamw, lambda: build_replicator("full"))
+    converted, description = convert_optimizer(adamw, lambda: build_replicator("full"), **_EXCHANGE)
     assert isinstance(converted, DecoupledAdamW) and "AdamW converted to DecoupledAdamW" in description
     assert [g["params"] for g in converted.param_groups] == [[weight], [bias]]
     assert [g["weight_decay"] for g in converted.param_groups] == [0.1, 0.0]
@@ -213,24 +217,24 @@ def test_preconditioner_beta2_replaces_beta2_only_for_the_preconditioned_exchang
 
 def test_sgd_becomes_demo_sgd_and_keeps_momentum():
     sgd = torch.optim.SGD(_params(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    converted, _ = convert_optimizer(sgd, lambda: build_replicator("demo"))
+    converted, _ = convert_optimizer(sgd, lambda: build_replicator("demo"), **_EXCHANGE)
     assert isinstance(converted, DeMoSGD)
     group = converted.param_groups[0]
     assert (group["lr"], group["momentum"], group["weight_decay"], group["sign"]) == (0.1, 0.9, 0.01, True)
-    plain, _ = convert_optimizer(torch.optim.SGD(_params(), lr=0.1), lambda: build_replicator("demo"))
+    plain, _ = convert_optimizer(torch.optim.SGD(_params(), lr=0.1), lambda: build_replicator("demo"), **_EXCHANGE)
     assert plain.param_groups[0]["momentum"] == 0.999  # SGD's 0 would drop the residual: DeMoSGD's default
 
 
 def test_replicating_optimizer_is_kept_and_unsupported_ones_are_refused():
     own = DeMoSGD(_params(), lr=0.1, replicator="random")
-    kept, description = convert_optimizer(own, lambda: build_replicator("demo"))
+    kept, description = convert_optimizer(own, lambda: build_replicator("demo"), **_EXCHANGE)
     assert kept is own and kept.replicator.name == "random" and "used as given" in description
     with pytest.raises(ValueError, match=r"cannot use the optimizer RMSprop: supported are torch.optim.AdamW"):
-        convert_optimizer(torch.optim.RMSprop(_params()), lambda: None)
+        convert_optimizer(torch.optim.RMSprop(_params()), lambda: None, **_EXCHANGE)
     with pytest.raises(ValueError, match=r"AdamW\(amsgrad=True\)"):
-        convert_optimizer(torch.optim.AdamW(_params(), amsgrad=True), lambda: None)
+        convert_optimizer(torch.optim.AdamW(_params(), amsgrad=True), lambda: None, **_EXCHANGE)
     with pytest.raises(ValueError, match=r"SGD\(nesterov=True\)"):
-        convert_optimizer(torch.optim.SGD(_params(), lr=0.1, momentum=0.9, nesterov=True), lambda: None)
+        convert_optimizer(torch.optim.SGD(_params(), lr=0.1, momentum=0.9, nesterov=True), lambda: None, **_EXCHANGE)
 
 
 # ---------------------------------------------------------------------------------------------------- runtime
@@ -255,7 +259,7 @@ def test_single_process_runtime_trains_and_warns_about_blocks_and_one_copy():
         metrics = runtime.after_step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    assert metrics["comm/launched_early"] == 4 and metrics["comm/inter_bytes_sent"] == 0
+    assert metrics["comm/launched_early"] == 4 and metrics["comm/inter/bytes_sent_step"] == 0
     assert metrics["comm/encode_seconds"] > 0 and metrics["comm/decode_seconds"] > 0  # the DCT codec ran
 
 

@@ -74,7 +74,7 @@ def test_single_process_fit_validate_and_bit_identical_resume(tmp_path):
     assert straight.record["optimizer"] == "DecoupledAdamW"
     assert straight.record["scheduler_optimizer"]
     assert sum(straight.losses[-2:]) / 2 < straight.losses[0] - 0.3, straight.losses
-    assert trainer.callback_metrics["comm/inter_bytes_sent"] == 0
+    assert trainer.callback_metrics["comm/inter/bytes_sent_step"] == 0
     evaluator = L.Trainer(
         accelerator="cpu", devices=1, strategy=FlexDeMoStrategy(), logger=False, enable_progress_bar=False
     )

@@ -1,0 +1,20 @@
+"""Strategy metrics that a callback also logs are left to the callback: one name per meaning, one source.
+
+A strategy reports, for example, its step's inter-node bytes as ``comm/inter/bytes_sent_step``, the name and meaning
+of :class:`~lightning_hetero.callbacks.CommunicationMonitor`'s metric (docs/metrics.md). When such a callback is
+attached it alone logs the name, so no name is logged from two hooks with two definitions of "the step".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["without_callback_metrics"]
+
+
+def without_callback_metrics(trainer: Any, metrics: Mapping[str, float]) -> dict[str, float]:
+    """``metrics`` less the names a callback of ``trainer`` logs itself (callbacks with ``logs_metric(name)``)."""
+    present = [] if trainer is None else trainer.callbacks
+    callbacks = [cb for cb in present if callable(getattr(cb, "logs_metric", None))]
+    return {name: value for name, value in metrics.items() if not any(cb.logs_metric(name) for cb in callbacks)}
