@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import pickle
@@ -755,6 +756,11 @@ def catalogue(random_cases: int) -> list[tuple[str, str, Callable[[], Any], Call
         ),
         ("lowbit load_packed (safetensors)", "negative shape", lambda: _packed_file(0x00, [-4]), _forged),
     ]
+    # Issue 33: recovery blobs of the fault-tolerant path (recipes/ft_inputs.py).
+    spec = importlib.util.spec_from_file_location("ft_inputs", REPO / "recipes" / "ft_inputs.py")
+    ft_cases = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(ft_cases)  # type: ignore[union-attr]
+    cases.extend(ft_cases.recovery_cases(random_cases))
     for seed in range(random_cases):
         cases.append(
             (

@@ -18,15 +18,18 @@ through :class:`~lightning_hetero.ft.transport.SafeCheckpointTransport` before i
 step's average and applies the same update, so after its first step it is bit-identical to the survivors.
 
 Replicators (:mod:`lightning_hetero.replication`) exchange through the Manager once
-:meth:`FaultTolerantReplica.manage` set their ``collectives`` hook: :meth:`FaultTolerantReplica.launch` (``"reduce"``
-wire: one all-reduce sum; ``"gather"`` wire: every participant writes its bytes into its own slot of a zeroed buffer
-and the buffer is all-reduced, which is an all-gather on a group that only offers all-reduce), with the replicator's
-``num_replicas`` set to this step's participant count so its average is over the replicas present.
+:meth:`FaultTolerantReplica.manage` set their ``collectives`` hook: :meth:`FaultTolerantReplica.launch`, with the
+replicator's ``num_replicas`` set to this step's participant count so its average is over the replicas present.
 
-Every tensor handed to the Manager is counted in :mod:`lightning_hetero.comm`'s byte ledger (label ``"inter"``, op
-``"all_reduce"`` over the participants, the documented ring rule), so ``comm/inter_bytes_sent`` reports what this
-replica put on the wire: for a gather wire that is the all-reduce of the whole slot buffer, ``2 (n - 1) S`` for a
-payload of ``S`` bytes (twice an all-gather's ``(n - 1) S``: the price of the slot trick).
+Every contribution (a gradient, a reduce wire, a gather wire's bytes) travels as an authenticated slot: one
+all-gather over the Manager's group of ``payload || HMAC tag`` (:mod:`lightning_hetero.ft.slots`, 32 bytes per slot,
+under the cluster secret of :mod:`lightning_hetero.ft.membership`); a slot that does not verify discards the step.
+Means and sums are formed locally, in slot order, from the checked contributions
+(:func:`~lightning_hetero.ft.checks.combine_contributions`). Each exchange is counted in
+:mod:`lightning_hetero.comm`'s byte ledger (label ``"inter"``, op ``"all_gather"``), so
+``comm/inter/bytes_sent_step`` reports what this replica put on the wire: ``(n - 1) (S + 32)`` for a payload of
+``S`` bytes. A replica healing a peer validates the whole received state first
+(:func:`~lightning_hetero.ft.checks.validate_recovered`) and never applies half of it.
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ from typing import Any
 
 import torch
 
-from lightning_hetero import comm
+from lightning_hetero.comm.timing import wall_clock
+from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.ft._deps import require_torchft
+from lightning_hetero.ft.checks import combine_contributions, validate_recovered
 from lightning_hetero.ft.codec import StateLayout
+from lightning_hetero.ft.membership import load_secret
 from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.ft.slots import SlotExchange
+from lightning_hetero.ft.waiting import QuorumWait
 from lightning_hetero.replication.base import Bucket, Piece, Replicator
 
 __all__ = ["FaultTolerantReplica"]
@@ -122,8 +130,21 @@ class FaultTolerantReplica:
                 raise ValueError("store_port: ranks other than 0 of a replica group must be given rank 0's store port.")
             self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             store_port = self._store.port
+        self.secret = load_secret(settings.secret_file, settings.secret_env, required=settings.require_secret)
+        """The cluster secret (membership): its ``repr`` is redacted and it cannot be pickled."""
+        self._slots: Any = None
+        self.dropped_contributions = 0
+        """Contributions left out of a mean by :func:`~lightning_hetero.ft.checks.combine_contributions`."""
         self.transport = SafeCheckpointTransport(
-            self._receiver_layout, timeout=timeout, host=host, max_bytes=settings.max_recovery_bytes
+            self._receiver_layout,
+            timeout=timeout,
+            host=host,
+            max_bytes=settings.max_recovery_bytes,
+            secret=self.secret,
+            cluster=settings.cluster_id,
+            bind=settings.recovery_bind,
+            quorum=lambda: int(getattr(self.manager, "_quorum_id", -1)),
+            validate=self._validate_recovered,
         )
         kind = torch.device(device).type
         pg = ProcessGroupNCCL(timeout=timeout) if kind == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -145,7 +166,10 @@ class FaultTolerantReplica:
             hostname=host,
             checkpoint_transport=self.transport,
             max_retries=settings.max_retries,
+            quorum_retries=settings.quorum_retries,
         )
+        self.quorum_wait = QuorumWait(settings)
+        """Re-asks a failed quorum until ``wait_for_replicas_s`` (below ``min_replicas``, lighthouse down)."""
         self.participants_log: list[tuple[int, int]] = []
         """(step, participants) of every committed step, for logs and the fault recipe."""
 
@@ -160,13 +184,42 @@ class FaultTolerantReplica:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (called by the Manager with a live peer's state when this replica joins)."""
+        """Restore :meth:`state_dict` (called by the Manager with a live peer's state when this replica joins).
+
+        The transport validated the whole state before (:meth:`_validate_recovered`); should a part still fail to
+        load (an ``extra_state`` setter refusing its value), everything loaded so far is rolled back to this
+        replica's own state and :class:`PeerPayloadError` is raised: never a half-healed replica.
+        """
+        own = copy.deepcopy(self.state_dict())
+        try:
+            self._apply_state(state)
+        except Exception as error:
+            self._apply_state(own)
+            if isinstance(error, PeerPayloadError):  # a setter's own refusal names its field: keep it
+                raise
+            raise PeerPayloadError(
+                f"recovery checkpoint refused while loading ({type(error).__name__}: {str(error)[:200]}); this"
+                " replica's own state was restored.",
+                None,
+                "load",
+            ) from error
+        log.info("replica healed from a live peer at step %d", self.manager.current_step())
+
+    def _apply_state(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
         for name, (_, set_state) in self.extra_state.items():
             set_state(state["extra"][name])
-        log.info("replica healed from a live peer at step %d", self.manager.current_step())
+
+    def _own_recovery_state(self) -> dict[str, Any]:
+        """This replica's state in the form the Manager sends (``{"user": {"default": ...}, "torchft": ...}``)."""
+        return {"user": {"default": self.state_dict()}, "torchft": self.manager.state_dict()}
+
+    def _validate_recovered(self, state: Any, peer: int, step: int) -> None:
+        """The whole received state against this replica's own (:func:`~lightning_hetero.ft.checks.validate_recovered`),
+        before the Manager applies any of it."""
+        validate_recovered(state, self._own_recovery_state(), step=step, peer=peer)
 
     def _receiver_layout(self) -> StateLayout:
         """This replica's own state as the Manager sends it; per-parameter optimizer state may be absent here yet."""
@@ -174,26 +227,40 @@ class FaultTolerantReplica:
         shapes = {index: tuple(_local(p).shape) for index, p in enumerate(params)}
         base = ("user", "default", "optimizer")
         slot_paths = {(*base, "state"): shapes}
-        own = self.state_dict()
+        mine = self._own_recovery_state()
+        own = mine["user"]["default"]
         replicator = own["optimizer"].get("replicator")
         if isinstance(replicator, Mapping):  # DiLoCo's per-parameter anchors / outer momentum, created at first sync
             for name, value in replicator.items():
                 if isinstance(value, Mapping):
                     slot_paths[(*base, "replicator", name)] = shapes
-        return StateLayout.of({"user": {"default": own}, "torchft": self.manager.state_dict()}, slot_paths)
+        return StateLayout.of(mine, slot_paths)
 
     # ------------------------------------------------------------------------------------------------ steps
     def start_step(self) -> None:
         """Join this step's quorum (waits for ``min_replicas``); a joining replica is healed before it returns.
 
+        While fewer than ``min_replicas`` are present, or the lighthouse is down, it waits: each failed quorum
+        attempt logs ``waiting for replicas: ...`` and asks again (:class:`~lightning_hetero.ft.waiting.QuorumWait`).
+
         Raises:
             PeerPayloadError: The recovery checkpoint a peer sent was refused (the Manager alone would only log it
                 and retry forever).
+            ReplicasBelowMinimumError: Still no quorum ``settings.wait_for_replicas_s`` after the first failed
+                attempt (torchft's raw error is its cause).
         """
         self.transport.last_error = None
-        self.manager.start_quorum()
+        self.quorum_wait.run(self._start_quorum, self._forget_failed_quorum)
         if self.transport.last_error is not None:
             raise self.transport.last_error
+
+    def _start_quorum(self, timeout: timedelta) -> None:
+        self.manager.start_quorum(timeout=timeout)
+
+    def _forget_failed_quorum(self) -> None:
+        # torchft 0.2.0 keeps the failed quorum's future and re-raises it at the next start_quorum: drop it, so the
+        # next attempt asks the lighthouse again (the Manager itself is still usable; its managed group is unchanged).
+        self.manager._quorum_future = None
 
     def current_step(self) -> int:
         """Committed steps: the data position (a discarded step is retried with the same batch)."""
@@ -203,32 +270,55 @@ class FaultTolerantReplica:
         """Replica groups taking part in this step's average."""
         return self.manager.num_participants()
 
+    @property
+    def slots(self) -> SlotExchange:
+        """The authenticated slot exchange over the Manager's group (:mod:`lightning_hetero.ft.slots`)."""
+        if self._slots is None:
+            self._slots = SlotExchange(self.manager, self.secret, self.settings.cluster_id)
+        return self._slots
+
     def allreduce_(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` in place over the participants (``"mean"`` or ``"sum"``); errors only fail the commit.
+        """Reduce ``tensor`` (floating point) in place over the participants (``"mean"`` or ``"sum"``).
 
-        The bytes go into the process's byte ledger (label ``"inter"``) unless the step already failed, in which case
-        the Manager sends nothing.
+        Every participant's contribution travels in its own authenticated slot (:meth:`gather_bytes`) and is
+        checked before it is combined (:func:`~lightning_hetero.ft.checks.combine_contributions`: finite, bounded,
+        the outlier rule); a refused contribution is left out on every replica alike (the mean is over the kept
+        ones, a sum is scaled to all participants). Errors only fail the commit: when the exchange failed, was
+        tampered with, or nothing usable is left, ``tensor`` is left as it was and the step will not commit.
         """
-        from torch.distributed import ReduceOp
-
         if op not in ("mean", "sum"):
             raise ValueError(f"op={op!r}: use 'mean' or 'sum'.")
-        if self.manager.errored() is None:
-            self._count_allreduce(tensor)
-        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG if op == "mean" else ReduceOp.SUM)
-        work.wait()
+        if not tensor.is_floating_point():
+            raise ValueError(f"tensor must be floating point, got {tensor.dtype}.")
+        flat = tensor.detach().reshape(-1).contiguous()
+        gathered = self.slots.gather(flat.view(torch.uint8))
+        if gathered is None:
+            return tensor
+        count = len(gathered)
+        contributions = [slot.view(flat.dtype) for slot in gathered]
+        try:
+            combined = combine_contributions(
+                contributions, outlier_factor=self.settings.outlier_factor, names=self.slots.names(count)
+            )
+        except PeerPayloadError as error:
+            log.warning("%s", error)
+            self.manager.report_error(error)
+            return tensor
+        for reason in combined.refused.values():
+            log.warning("step %d: %s; left out of the mean on every replica", self.current_step(), reason)
+        self.dropped_contributions += len(combined.refused)
+        total = combined.total  # a fresh tensor: scaled in place
+        if op == "mean":
+            total.div_(len(combined.kept))
+        elif combined.refused:
+            total.mul_(count / len(combined.kept))  # a sum over all participants, as the caller divides by n
+        with torch.no_grad():
+            tensor.copy_(total.view_as(tensor))
         return tensor
 
-    def _count_allreduce(self, tensor: torch.Tensor) -> None:
-        """Record one all-reduce of ``tensor`` over this step's participants (the Manager's group, synchronous
-        quorum: every replica in it participates) by the ledger's counting rule."""
-        payload = tensor.numel() * tensor.element_size()
-        group = max(self.num_participants(), 1)
-        sent, received = comm.wire_bytes("all_reduce", payload, group)
-        comm.get_ledger().record("all_reduce", comm.INTER, payload, sent, received, group)
-
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """Replace every gradient by its mean over the participants (one flat all-reduce; missing grads count 0)."""
+        """Replace every gradient by its mean over the participants (one authenticated exchange of the flat
+        gradient, checked before it is applied; missing grads count 0)."""
         params = [p for p in params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if not grads:
@@ -242,25 +332,18 @@ class FaultTolerantReplica:
             offset += size
 
     def gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Every participant's ``payload`` (uint8, same size everywhere), in participant order.
+        """Every participant's ``payload`` (uint8, same size everywhere), authenticated, in participant order.
 
-        The Manager's group only offers all-reduce: each participant writes its bytes into its own slot of a zeroed
-        buffer and the buffer is summed (0 + byte = byte, no overflow). If the exchange failed (a peer left), every
-        slot holds this replica's own bytes, so decoders see a well-formed payload; the step will not commit.
+        One all-gather of ``payload || tag`` (:class:`~lightning_hetero.ft.slots.SlotExchange`); every other
+        participant's tag is verified. If the exchange failed (a peer left) or a slot did not authenticate (a
+        non-member, a flipped bit, a replay), every slot holds this replica's own bytes, so decoders see a well-formed
+        payload; the step will not commit.
         """
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise ValueError(
-                f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}."
-            )
-        count = self.num_participants()
-        slot = self.manager.participating_rank()
-        buffer = torch.zeros(max(count, 1) * payload.numel(), dtype=torch.uint8, device=payload.device)
-        if slot is not None and slot < count:
-            buffer[slot * payload.numel() : (slot + 1) * payload.numel()] = payload
-        self.allreduce_(buffer, "sum")
-        if self.manager.errored() is not None or slot is None:
-            buffer = payload.repeat(max(count, 1))
-        return list(buffer.view(max(count, 1), payload.numel()))
+        gathered = self.slots.gather(payload)
+        if gathered is None:
+            count = max(self.num_participants(), 1)
+            return list(payload.repeat(count).view(count, payload.numel()))
+        return gathered
 
     def launch(self, replicator: Replicator, pieces: list[Piece], *, early: bool = False) -> Bucket:
         """:meth:`Replicator.launch` through the Manager: the bucket is complete; ``replicator.finish`` decodes it.
@@ -278,6 +361,7 @@ class FaultTolerantReplica:
         device = pieces[0].wire.device if pieces else torch.device("cpu")
         wires = [piece.wire.to(dtype) if kind == "reduce" else piece.wire for piece in pieces if piece.wire.numel()]
         buffer = torch.cat(wires) if wires else torch.empty(0, dtype=dtype, device=device)
+        launched_at = wall_clock()  # the exchange is synchronous: launched and completed inside this call
         if kind == "gather":
             output = torch.cat(self.gather_bytes(buffer)) if total else buffer
         else:
@@ -288,14 +372,14 @@ class FaultTolerantReplica:
                     output = buffer * count  # a well-formed stand-in: the step will not commit
         replicator.stats["buckets"] += 1
         replicator.stats["payload_bytes"] += buffer.numel() * buffer.element_size()
-        return Bucket(pieces, kind, buffer, output, _Done(), 0.0, early, offsets)
+        return Bucket(pieces, kind, buffer, output, _Done(), launched_at, early, offsets, completed_at=wall_clock())
 
     def manage(self, replicator: Replicator) -> None:
         """Route ``replicator``'s collectives through the Manager (:meth:`launch`) instead of its process group.
 
         Sets the replicator's ``collectives`` hook (:attr:`Replicator.collectives`): every
         :meth:`Replicator.launch`, also DiLoCo's outer mean (which calls ``FullReplicator.launch`` on the class) and
-        the DeMo codec of DiLoCo with ``outer_compression``, hands its pieces to :meth:`launch`; the replicator's
+        the DeMo codec of DiLoCo with ``outer_kept_fraction``, hands its pieces to :meth:`launch`; the replicator's
         ``finish`` decodes the completed bucket as usual. DiLoCo's inner steps send nothing.
         """
         replicator.collectives = self

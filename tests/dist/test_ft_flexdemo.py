@@ -8,7 +8,7 @@ rising, 2 participants). It is restarted, rejoins, is healed through the pickle-
 committed step, its weights equal the survivors' bit for bit; at the end all three are identical. Lightning's
 ``global_step`` counts committed steps on every node (the rejoined one takes the survivors' count), the rejoined node's
 data continues at the survivors' position of its own stream, ``max_steps`` stops all three at the same step, and
-``comm/inter_bytes_sent`` is what each node handed to torchft's Manager by the ledger's ring rule.
+``comm/inter/bytes_sent_step`` is what each node handed to torchft's Manager by the ledger's ring rule.
 """
 
 from __future__ import annotations
@@ -150,12 +150,13 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         # place later and keeps its position, so the step may jump while the batches stay consecutive).
         rejoined = [r["batch_index"] for r in _steps(tmp_path, 2)[before_rejoin:]]
         assert rejoined == list(range(rejoined[0], rejoined[0] + len(rejoined))), rejoined
-        # The bytes handed to the Manager (DeMo: a gather wire, all-reduced as n slots of the payload S) are counted:
-        # 2 (n - 1) S per step by the ring rule, for a step committed at its first try.
+        # The bytes handed to the Manager (DeMo: a gather wire, one all-gather of the payload S plus its 32-byte HMAC
+        # tag, one bucket per step without overlap) are counted: (n - 1) (S + 32) per step, for a step committed at
+        # its first try.
         for i in range(3):
             for record in _steps(tmp_path, i):
                 if record["retries"] == 0:
-                    expected = 2 * (record["participants"] - 1) * record["payload_bytes"]
+                    expected = (record["participants"] - 1) * (record["payload_bytes"] + 32)
                     assert record["inter_bytes_sent"] == expected > 0, record
         committed: set[int] = set()
         for i in (0, 1):

@@ -64,7 +64,7 @@ def test_every_forged_input_is_rejected_and_no_input_crashes_or_is_applied_inval
     result = json.loads(out.read_text())
     five = ("bad_inputs_rejected", "accepted_valid", "accepted_invalid", "crashed")
     assert result["bad_inputs_tried"] == len(result["cases"]) == sum(result[key] for key in five)
-    assert result["bad_inputs_tried"] == result["forged_inputs_tried"] + 6 * 3
+    assert result["bad_inputs_tried"] == result["forged_inputs_tried"] + 7 * 3  # 7 random-bytes families
     assert ISSUE_21_INPUTS <= {case["input"] for case in result["cases"]}
     pickles = [c for c in result["cases"] if c["input"].startswith("malicious pickle")]
     assert len(pickles) == 6  # core load_part, MatFormer and sparseflip x (env var, weights_only=False), Fabric
@@ -78,6 +78,7 @@ def test_every_forged_input_is_rejected_and_no_input_crashes_or_is_applied_inval
         "comm.payload_packing",
         "testbed",
         "layerwise",
+        "ft",
     } <= decoders
     # The target: nothing crashes, nothing invalid is accepted, every forged input is refused.
     failures = [c for c in result["cases"] if c["outcome"] in ("accepted_invalid", "crashed")]

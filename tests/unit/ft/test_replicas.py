@@ -149,11 +149,11 @@ def test_replicators_exchange_through_the_manager_over_the_participants(lighthou
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda seed: _exchange(lighthouse, f"x{seed}", seed, replicator_class), (0, 1)))
     assert all(r["ok"] and r["n"] == 2 for r in results)
-    # The bytes handed to the Manager are counted in the ledger (label "inter") by the ring rule, per replica:
-    # a reduce wire is one all-reduce of its float32 payload S (sends 2 (n-1) S / n); a gather wire is an all-reduce
-    # of n slots of S bytes (sends 2 (n-1) S). Both replicas run in this process and share the global ledger.
+    # The bytes handed to the Manager are counted in the ledger (label "inter"), per replica: every wire is one
+    # all-gather of its payload S (float32 for a reduce wire) plus the 32-byte HMAC tag of its slot, (n-1) (S + 32).
+    # Both replicas run in this process and share the global ledger.
     wire = results[0]["wire"].numel()
-    per_replica = 2 * 1 * (4 * wire) // 2 if replicator_class is FullReplicator else 2 * 1 * wire
+    per_replica = 1 * ((4 * wire if replicator_class is FullReplicator else wire) + 32)
     assert comm.get_ledger().totals(comm.INTER).sent - sent_before == 2 * per_replica
     assert torch.equal(results[0]["combined"], results[1]["combined"])
     # The same combination a plain all-gather / all-reduce would give, in participant order (which the quorum
@@ -177,7 +177,7 @@ def _demo_train(
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     if replicator is None:
-        optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, compression=0.25, chunk=4)
+        optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, kept_fraction=0.25, chunk=4)
     else:
         optimizer = DeMoSGD(model.parameters(), lr=0.01, momentum=0.9, replicator=replicator())
     settings = dataclasses.replace(_settings(address, name), min_replicas=min_replicas)
@@ -230,13 +230,13 @@ def test_an_uncommitted_demo_step_leaves_weights_and_state_untouched(lighthouse)
             assert torch.equal(entry["delta"], state["state"][key]["delta"])  # momentum + error feedback restored
 
 
-@pytest.mark.parametrize("outer_compression", [None, 0.25], ids=["plain", "demo-outer"])
-def test_diloco_through_the_manager_heals_a_late_replica_bit_identical(lighthouse, outer_compression):
+@pytest.mark.parametrize("outer_kept_fraction", [None, 0.25], ids=["plain", "demo-outer"])
+def test_diloco_through_the_manager_heals_a_late_replica_bit_identical(lighthouse, outer_kept_fraction):
     # Plain DiLoCo's outer mean calls FullReplicator.launch on the class: only the collectives hook reaches it.
     from lightning_hetero.replication import DiLoCoReplicator
 
     def replicator():
-        extra = {} if outer_compression is None else {"outer_compression": outer_compression, "outer_chunk": 4}
+        extra = {} if outer_kept_fraction is None else {"outer_kept_fraction": outer_kept_fraction, "outer_chunk": 4}
         return DiLoCoReplicator(sync_every=2, **extra)
 
     started, on_first, on_late = _late_join_hooks()
