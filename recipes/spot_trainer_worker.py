@@ -6,7 +6,7 @@ settings=FlexDeMoSettings(fault_tolerance=...)))`` on the small regression MLP o
 stream (a :class:`~lightning_hetero.data.stateful.StatefulDataLoader` over batch indices, so a rejoining node continues
 at the survivors' position of its own stream). After every optimizer step (each one committed: a discarded try is
 retried) it appends one JSON line to ``<out>/replica_<id>.jsonl``: the committed step, ``global_step``, the batch index
-trained, the participants, the retries, the pid, the time, the loss, ``comm/inter_bytes_sent`` and the replicator's
+trained, the participants, the retries, the pid, the time, the loss, ``comm/inter/bytes_sent_step`` and the replicator's
 payload bytes, and a SHA-256 of the weights. Once ``<out>/stop`` holds a number, it becomes the Trainer's
 ``max_steps``. A refused recovery checkpoint ends the process with exit code 3 and the message in
 ``<out>/replica_<id>.error``.
@@ -87,7 +87,7 @@ class Journal(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, data: Any, batch_idx: int) -> None:
         runtime = trainer.strategy.runtime
         replica = runtime.replica
-        sent = trainer.callback_metrics.get("comm/inter_bytes_sent")
+        sent = trainer.callback_metrics.get("comm/inter/bytes_sent_step")
         record = {
             "step": replica.current_step(),
             "global_step": trainer.global_step,
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds of 'compute' per step")
     parser.add_argument("--forbid-pickle", action="store_true", help="make every unpickling call raise")
+    parser.add_argument(
+        "--shard-groups",
+        type=int,
+        default=None,
+        help="one stream for all nodes, each reading its shard (FaultToleranceSettings.num_replica_groups)",
+    )
     args = parser.parse_args(argv)
     if args.forbid_pickle:
         forbid_pickle()
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout,
             quorum_timeout_s=120.0,
             connect_timeout_s=30.0,
+            num_replica_groups=args.shard_groups,
         ),
     )
     module = Regression(args.hidden, step_sleep=args.step_sleep)
@@ -149,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[Journal(args.out, replica)],
     )
     try:
-        trainer.fit(module, StatefulDataLoader(Stream(replica), batch_size=None))
+        stream = Stream(0 if args.shard_groups else replica)  # sharded: one dataset, each node its own shard
+        trainer.fit(module, StatefulDataLoader(stream, batch_size=None))
     except PeerPayloadError as error:
         (args.out / f"replica_{replica}.error").write_text(f"{type(error).__name__}: {error}\n")
         return 3

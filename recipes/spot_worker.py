@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds of 'compute' per step")
     parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--quorum-timeout", type=float, default=120.0, help="FaultToleranceSettings.quorum_timeout_s")
+    parser.add_argument("--quorum-retries", type=int, default=None, help="FaultToleranceSettings.quorum_retries")
     parser.add_argument(
         "--forbid-pickle", action="store_true", help="make every unpickling call raise (proves a heal never unpickles)"
     )
@@ -129,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         lighthouse=args.lighthouse,
         min_replicas=args.min_replicas,
         timeout_s=args.timeout,
-        quorum_timeout_s=120.0,
+        quorum_timeout_s=args.quorum_timeout,
         connect_timeout_s=30.0,
         replica_id_source="fixed",
         replica_id=f"spot{args.replica_id}",
+        **({} if args.quorum_retries is None else {"quorum_retries": args.quorum_retries}),
     )
     replica = FaultTolerantReplica(settings, model=model, optimizer=optimizer, store_host="localhost")
     args.out.mkdir(parents=True, exist_ok=True)

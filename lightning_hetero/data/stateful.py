@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator, Sized
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ class StatefulDataLoader(DataLoader):
         self._yielded = 0  # batches handed out in that epoch
         self._epoch_floor = 0  # lowest epoch the next iteration may use
         self._pending: dict[str, int] | None = None  # a restored position not yet applied
+        self._jump = 0  # batches advance() asked to skip in the epoch in progress
+        self._held_back = 0  # handed-out batches state_dict() counts as not consumed (holding_back)
 
     # ------------------------------------------------------------------------------------------------ iteration
 
@@ -145,16 +148,47 @@ class StatefulDataLoader(DataLoader):
         pending, self._pending = self._pending, None
         skip = pending["batches_yielded"] if pending is not None and pending["epoch"] == epoch else 0
         self._epoch, self._yielded, self._epoch_floor = epoch, skip, epoch
-        skipper = self._index_sampler
-        skipper.skip = skip
-        try:
-            batches = super().__iter__()
-        finally:
-            skipper.skip = 0
-        for batch in batches:
+        self._jump = 0
+        batches = self._base_iterator(skip)
+        while True:
+            if self._jump:  # advance() during this epoch: restart the base iterator further on, same order
+                self._yielded, self._jump = self._yielded + self._jump, 0
+                batches = self._base_iterator(self._yielded)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
             self._yielded += 1
             yield batch
         self._epoch_floor = epoch + 1  # the epoch is complete: the next one starts fresh
+
+    def _base_iterator(self, skip: int) -> Iterator[Any]:
+        """DataLoader's iterator of this epoch's order, its first ``skip`` batches dropped at the index level."""
+        skipper = self._index_sampler
+        skipper.skip = skip
+        try:
+            return super().__iter__()
+        finally:
+            skipper.skip = 0
+
+    @property
+    def batches_yielded(self) -> int:
+        """Batches of the epoch in progress handed out so far (plus any :meth:`advance` not applied yet)."""
+        return self._yielded + self._jump
+
+    def advance(self, batches: int) -> None:
+        """Skip the next ``batches`` batches of the epoch in progress (index level: none is loaded or collated).
+
+        For a position that must jump forward mid-epoch (a fault-tolerant node healed from a peer that is further on):
+        the next batch drawn is the one ``batches`` further on in this epoch's order; past the epoch's end the epoch
+        ends. Applied at the next ``next()``.
+
+        Raises:
+            ValueError: ``batches`` < 0 (positions only move forward).
+        """
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            raise ValueError(f"`batches` must be an int >= 0 (positions only move forward), got {batches!r}.")
+        self._jump += batches
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -177,10 +211,12 @@ class StatefulDataLoader(DataLoader):
         """
         if self._pending is not None:  # restored but not iterated yet: the restored position still holds
             epoch, yielded = self._pending["epoch"], self._pending["batches_yielded"]
+        elif self._held_back:
+            epoch, yielded = self._epoch, max(min(self._yielded + self._jump, len(self)) - self._held_back, 0)
         elif self._epoch_floor > self._epoch or self._yielded >= len(self):
             epoch, yielded = max(self._epoch_floor, self._epoch + 1), 0
         else:
-            epoch, yielded = self._epoch, self._yielded
+            epoch, yielded = self._epoch, min(self._yielded + self._jump, len(self))
         batch, replicas = self._unit()
         return {
             "version": STATE_VERSION,
@@ -189,6 +225,19 @@ class StatefulDataLoader(DataLoader):
             "batch_size": batch,
             "num_replicas": replicas,
         }
+
+    @contextmanager
+    def holding_back(self, batches: int) -> Iterator[None]:
+        """Inside the block, :meth:`state_dict` counts the last ``batches`` handed-out batches as not consumed.
+
+        For a checkpoint taken while a batch is in flight (drawn, its step not done): a run resumed from it draws that
+        batch again instead of skipping it.
+        """
+        self._held_back = batches
+        try:
+            yield
+        finally:
+            self._held_back = 0
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Continue from ``state_dict`` at the next iteration (same epoch order, its consumed batches skipped).

@@ -370,11 +370,16 @@ class FlexDeMoRuntime(StrategyRuntime):
         return syncs_at is None or bool(syncs_at(replicator.step - 1))
 
     def comm_metrics(self) -> dict[str, float]:
-        """``comm/*`` metrics of the last step: inter-node bytes sent (in the fault-tolerant mode what this replica
-        handed to torchft's Manager, retried tries included), launched-early count, wait/comm seconds, the
-        replicator's encode/decode seconds (its compute: DCT, top-k, packing), and ``comm/hidden_fraction`` =
-        1 - wait / comm (the share of the exchange's duration overlapped with work)."""
-        metrics = {"comm/inter_bytes_sent": float(comm.get_ledger().totals(comm.INTER).sent - self._inter_sent_before)}
+        """``comm/*`` metrics of the last step (docs/metrics.md): ``comm/inter/bytes_sent_step``, the ``"inter"``
+        bytes this rank sent during the optimizer step (in the fault-tolerant mode what this replica handed to
+        torchft's Manager, retried tries included; the name and meaning of :class:`CommunicationMonitor`'s metric),
+        launched-early count, ``wait_seconds`` (blocked waiting), ``comm_seconds`` (wall-clock time with an exchange
+        in flight: the union of the buckets' spans, never more than the step), the replicator's encode/decode
+        seconds (its compute: DCT, top-k, packing), and ``comm/hidden_fraction`` = 1 - wait / comm (the share of the
+        exchange's duration overlapped with work; 0 when nothing overlaps, as in the synchronous fault-tolerant
+        exchange)."""
+        sent = comm.get_ledger().totals(comm.INTER).sent - self._inter_sent_before
+        metrics = {"comm/inter/bytes_sent_step": float(sent)}
         stats = self.optimizer.comm_stats() if self.optimizer is not None else {}
         for key in ("launched_early", "wait_seconds", "comm_seconds", "encode_seconds", "decode_seconds"):
             if key in stats and isinstance(stats[key], (int, float)):

@@ -47,8 +47,9 @@ class FlexDeMoSettings:
         on_bad_payload: What a corrupt peer payload does (see ``docs/reliability.md``): ``"raise"`` a
             :class:`~lightning_hetero.comm.validation.PeerPayloadError`, or ``"drop"`` it from the combination and
             log.
-        log_comm_stats: Trainer only: log ``comm/hidden_fraction``, ``comm/inter_bytes_sent``,
-            ``comm/wait_seconds``, ... every step (Fabric: read ``strategy.last_comm_metrics``).
+        log_comm_stats: Trainer only: log ``comm/hidden_fraction``, ``comm/inter/bytes_sent_step`` (left to a
+            ``CommunicationMonitor`` when one logs it), ``comm/wait_seconds``, ... every step (Fabric: read
+            ``strategy.last_comm_metrics``); see docs/metrics.md.
         adamw_exchange: What crosses nodes when the module's AdamW/Adam is converted to ``DecoupledAdamW`` with a
             compressing replicator (Full and DiLoCo replication ignore it): ``"preconditioned"`` (default) exchanges
             the gradient divided by the local ``sqrt(v_hat) + eps`` and lets the error-feedback buffer be the first

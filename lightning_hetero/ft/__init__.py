@@ -6,6 +6,9 @@
   codec (needs torchft).
 - :mod:`~lightning_hetero.ft.replicas`: :class:`FaultTolerantReplica`, one replica group on torchft's ``Manager``:
   quorum, the mean over the replicas present, ``should_commit``, state for healing (needs torchft).
+- :mod:`~lightning_hetero.ft.waiting`: :class:`~lightning_hetero.ft.waiting.QuorumWait`, waiting (with a log line)
+  while fewer than ``min_replicas`` are present or the lighthouse is down, up to ``wait_for_replicas_s``.
+- :mod:`~lightning_hetero.ft.data`: each replica group's shard of one training set (torchft's ``DistributedSampler``).
 
 torchft is the optional extra ``ft`` (``pip install 'lightning-hetero[ft]'``); it is imported lazily, so this package
 and the core import without it. See ``docs/spot.md``.

@@ -45,8 +45,9 @@ class FaultToleranceSettings:
         max_retries: Consecutive uncommitted steps allowed before the step raises ``RuntimeError`` (torchft's
             ``Manager(max_retries=...)``); None: no limit, training waits for enough replicas.
         quorum_retries: How many times a replica group's manager re-sends a failed quorum request to the lighthouse
-            (torchft's ``Manager(quorum_retries=...)``; ``$TORCHFT_QUORUM_RETRIES``, when set, wins). With 0 a
-            lighthouse restart kills every node; each retry waits for the lighthouse up to ``quorum_timeout_s``.
+            (torchft's ``Manager(quorum_retries=...)``; ``$TORCHFT_QUORUM_RETRIES``, when set, wins), within one
+            quorum attempt of ``quorum_timeout_s``; longer lighthouse outages are covered by
+            :attr:`wait_for_replicas_s`.
         replica_rank: This replica group's index among :attr:`num_replica_groups`: which shard of the training set
             it reads. None: the trailing digits of the replica id (``REPLICA_GROUP_ID=2`` or ``node-2``: 2), the
             number torchft itself derives from the id.
@@ -55,9 +56,9 @@ class FaultToleranceSettings:
             not read while its group is away. None: every group reads the whole training set in the same order,
             so extra nodes add nothing (a warning says so).
         wait_for_replicas_s: How long survivors wait for ``min_replicas`` replica groups to be present (or for the
-            lighthouse), logging ``waiting for replicas: ...`` every ``quorum_timeout_s``. Past it they save a checkpoint
-            (the Trainer's ``ModelCheckpoint`` directory, verified by reading it back) and stop with a message
-            that says how to resume. None: wait forever.
+            lighthouse), logging ``waiting for replicas: ...`` every ``quorum_timeout_s``. Past it they save a
+            checkpoint (the Trainer's ``ModelCheckpoint`` directory, verified by reading it back) and stop with a
+            message that says how to resume. None: wait forever.
         secret_file: File holding the cluster secret (the same bytes on every node, at least 16; ``chmod 600``).
             Every slot a replica contributes to a collective, every recovery request and every recovery blob is
             authenticated with an HMAC under it (``lightning_hetero.ft.membership``): a process without it cannot

@@ -25,7 +25,10 @@ the quorum commits it, else runs it again on the same batch in a new quorum, so 
 steps; then it logs ``ft/participants``, ``ft/committed``, ``ft/retries`` and ``ft/step``. LR schedulers' state and
 the Trainer's position (``global_step``, the loggers' step, epoch and batch) travel with a recovery: a joiner
 continues at the survivors' step and, with a :class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same
-(epoch, batch) position of its own data.
+(epoch, batch) position of its own data; a node healed in place mid-epoch jumps to it after its batch in flight. With
+``fault_tolerance.num_replica_groups`` the train loader reads this node's shard of the training set
+(:mod:`~lightning_hetero.strategies.flexdemo.replica_data`). Too few replica groups for longer than
+``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the error ends ``fit``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hetero.comm.validation import PeerPayloadError
+from lightning_hetero.core import process_rank_and_size
 from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
@@ -49,9 +53,16 @@ from lightning_hetero.flexdemo.optim import DecoupledAdamW
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
+from lightning_hetero.ft.waiting import ReplicasBelowMinimumError
 from lightning_hetero.hetero.batch_share import gradient_scale
 from lightning_hetero.strategies.batch_share import TrainerBatchShare
+from lightning_hetero.strategies.flexdemo.replica_data import (
+    follow_peer_mid_epoch,
+    save_below_minimum_checkpoint,
+    shard_train_loader,
+)
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+from lightning_hetero.strategies.metric_names import without_callback_metrics
 
 __all__ = ["FlexDeMoStrategy"]
 
@@ -186,6 +197,11 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         """``settings.batch_share``: the train loader's micro-batches by speed (``docs/batch_share.md``); every rank
         of one model copy gets one size. Other loaders, and runs without a share, are left as they are."""
         dataloader = super().process_dataloader(dataloader)
+        ft = self.settings.fault_tolerance
+        if ft is not None and self._batch_share.applies(self):
+            # Every node is its own launch: its shard of the one training set comes from the replica group's index.
+            rank, size = process_rank_and_size()
+            dataloader = shard_train_loader(dataloader, ft, group_rank=rank, group_size=size, owner=self.runtime.owner)
         share = self.settings.batch_share
         if share is None or not self._batch_share.applies(self):
             return dataloader
@@ -275,9 +291,17 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         metrics.update(self.runtime.replica_metrics())
         module = self.lightning_module
         if module is not None and module._trainer is not None:
-            for name, value in metrics.items():
+            for name, value in without_callback_metrics(module._trainer, metrics).items():
                 module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
         return output
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if isinstance(exception, ReplicasBelowMinimumError) and trainer is not None:
+            # Too few replica groups for too long: keep this node's committed state, then stop with how to resume.
+            save_below_minimum_checkpoint(trainer, exception)
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
@@ -356,16 +380,9 @@ class _TrainerPosition:
         loader = trainer.train_dataloader
         if self.iterating:
             loop._batches_that_stepped = position["batches_that_stepped"]
-            own = (trainer.current_epoch, loop.batch_progress.current.completed)
-            if own != (position["epoch"], position["batches"]):
-                log.warning(
-                    "FlexDeMoStrategy: healed from a peer mid-epoch; global_step follows it (%d), the data position "
-                    "stays this node's (epoch %d, batch %d; the peer's: epoch %d, batch %d).",
-                    position["global_step"],
-                    *own,
-                    position["epoch"],
-                    position["batches"],
-                )
+            # Healed in place (e.g. frozen past the timeout): the held batch is retried, then the data position
+            # jumps to the peer's, so it follows the committed step instead of staying behind.
+            follow_peer_mid_epoch(trainer, position["epoch"], position["batches"], position["global_step"])
             return
         self._pending_stepped = position["batches_that_stepped"]  # the loop's reset would change it
         if not isinstance(loader, StatefulDataLoader):

@@ -262,7 +262,7 @@ def test_a_healed_trainer_takes_the_peers_global_step_and_its_data_position_on_i
 
 
 @pytest.mark.timeout(180)
-def test_a_trainer_healed_in_place_mid_epoch_takes_the_peers_step_and_keeps_its_data_position(lighthouse, caplog):
+def test_a_trainer_healed_in_place_mid_epoch_takes_the_peers_step_and_its_data_position(lighthouse, caplog):
     strategy = _trainer_strategy(_ft(lighthouse))
     module = _Indexed()
     peer = {"global_step": 7, "batches_that_stepped": 7, "epoch": 0, "batches": 4}
@@ -270,11 +270,12 @@ def test_a_trainer_healed_in_place_mid_epoch_takes_the_peers_step_and_keeps_its_
     trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=9, callbacks=[heal], use_distributed_sampler=False)
     with caplog.at_level("INFO", logger="lightning_hetero"):
         trainer.fit(module, _indexed())
-    # Batch 1 commits as the peer's step 8, batch 2 as step 9; the loader is not moved mid-epoch.
-    assert module.seen == [(0, index, _batch(0, index)) for index in range(3)]
+    # Batch 1 (in flight at the heal) commits as the peer's step 8; the position then jumps to the peer's: batch 5
+    # (the peer's next) commits as step 9. Batches 2-4 are the steps this node missed.
+    assert module.seen == [(0, 0, _batch(0, 0)), (0, 1, _batch(0, 1)), (0, 5, _batch(0, 5))]
     assert trainer.global_step == 9 and trainer.fit_loop.epoch_loop._batches_that_stepped == 9
     notes = [r.getMessage() for r in caplog.records if "mid-epoch" in r.getMessage()]
-    assert len(notes) == 1 and "epoch 0, batch 1; the peer's: epoch 0, batch 4" in notes[0], notes
+    assert len(notes) == 1 and "moves 3 batch(es) forward to the peer's (epoch 0, batch 4)" in notes[0], notes
 
 
 @pytest.mark.timeout(180)
