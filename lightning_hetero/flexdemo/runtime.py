@@ -9,15 +9,15 @@ gradient norm, runs the drift guard and reports communication statistics. The ad
 With ``settings.fault_tolerance`` (the spot-worker mode, ``docs/spot.md``) each launch is one replica group of one
 rank: the optimizer's replicator exchanges through a :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica`
 (torchft's Manager, the mean over the replicas present this step) instead of a replicate process group, and the
-adapters gate each optimizer step on the quorum's commit (:meth:`FlexDeMoRuntime.start_replica_step`,
-:meth:`FlexDeMoRuntime.committed_step`).
+adapters gate each optimizer step on the quorum's commit through ``runtime.quorum``
+(:class:`~lightning_hetero.ft.quorum_steps.QuorumSteps`: ``start_step``, ``committed_step``).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from lightning_hetero.flexdemo.sharding import (
     warn_no_blocks,
 )
 from lightning_hetero.flexdemo.topology import Topology, build_topology, resolve_shard_size
+from lightning_hetero.ft.quorum_steps import QuorumSteps, check_fault_tolerant_world
 from lightning_hetero.replication import Replicator
 from lightning_hetero.replication.settings import ReplicatorKind
 
@@ -94,17 +95,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         """Optimizer steps completed (drives the drift guard)."""
         self._inter_sent_before = 0
         self._drift_due = False
-        self.replica: Any | None = None
-        """The :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` in the fault-tolerant mode (from
-        :meth:`prepare_optimizer` to :meth:`teardown`), else None."""
-        self.recovery_state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        """Name -> (get, set) of further state a joining replica takes from a live peer (e.g. LR schedulers)."""
-        self.replica_step_open = False
-        """Fault-tolerant mode: this step's quorum was joined and its optimizer step has not run yet."""
-        self.last_commit: bool | None = None
-        """Fault-tolerant mode: whether the last optimizer step was committed (None before the first)."""
-        self.last_retries = 0
-        """Fault-tolerant mode: discarded tries before the last optimizer step committed (``retry=True`` only)."""
+        self.quorum = QuorumSteps()
+        """The fault-tolerant mode's quorum-gated steps (joined in :meth:`prepare_optimizer`; no-ops otherwise)."""
 
     # ------------------------------------------------------------------------------------------------ config
     @property
@@ -136,29 +128,8 @@ class FlexDeMoRuntime(StrategyRuntime):
 
     def resolve_launch(self, world: WorldLayout) -> None:
         """Check ``shard_size`` against the ranks per node of the launch (and the fault-tolerant mode's layout)."""
-        self._check_fault_tolerant_world(world.num_nodes, world.ranks_per_node)
+        check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, world.num_nodes, world.ranks_per_node)
         self.resolve_world(world.world_size, world.ranks_per_node)
-
-    def _check_fault_tolerant_world(self, nodes: int, ranks: int) -> None:
-        """The fault-tolerant mode runs one launch per replica group (node) of one rank; raise naming the fix."""
-        if self.settings.fault_tolerance is None:
-            return
-        if nodes > 1:
-            raise ValueError(
-                f"{self.owner}(settings.fault_tolerance=...): this launch spans {nodes} nodes, but in the "
-                "fault-tolerant mode every node is its own replica group and its own launch (a node may die and "
-                "rejoin without the others restarting). Start one job per node with num_nodes=1 (torchrun "
-                "--nnodes 1 / Trainer(num_nodes=1)) and a distinct REPLICA_GROUP_ID each, all pointing at the same "
-                "lighthouse; see docs/spot.md."
-            )
-        if ranks > 1:
-            raise ValueError(
-                f"{self.owner}(settings.fault_tolerance=...): {ranks} ranks in one replica group. The fault-tolerant "
-                "mode supports one rank per replica group for now: the recovery checkpoint carries plain tensors, not "
-                "FSDP2 DTensor shards (each rank's local shard matched by group rank is not implemented). Use "
-                "devices=1 (torchrun --nproc-per-node 1) per replica group, or drop settings.fault_tolerance to use "
-                "FSDP2 inside a node with torchrun restarts."
-            )
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
@@ -172,7 +143,8 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.module is not None:
             raise RuntimeError(f"{self.owner} shards one model; setup was already called.")
         _, world_size = process_rank_and_size()
-        self._check_fault_tolerant_world(1, world_size)  # torchrun's world, whatever the Trainer was told
+        # torchrun's world, whatever the Trainer was told
+        check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, 1, world_size)
         if self.shard_size is None or world_size % self.shard_size:
             self.resolve_world(world_size, world_size)
         assert self.shard_size is not None
@@ -246,90 +218,17 @@ class FlexDeMoRuntime(StrategyRuntime):
         return converted
 
     def _start_replica(self, optimizer: ReplicatingOptimizer) -> None:
-        """Join the torchft quorum as this replica group; the replicator exchanges through the Manager from now on.
-
-        No cross-node broadcast of the initial state: torchft's first quorum syncs the replicas (``init_sync``).
-        """
-        from lightning_hetero.ft.replicas import FaultTolerantReplica  # needs the ft extra: imported on use
-
+        """Join the torchft quorum; the replicator exchanges through the Manager from now on."""
         assert self.module is not None and self.settings.fault_tolerance is not None
         optimizer.bind(None)  # no replicate process group: the Manager's group changes with every quorum
-        self.replica = FaultTolerantReplica(
+        self.quorum.join(
             self.settings.fault_tolerance,
             model=self.module,
             optimizer=optimizer,
-            extra_state=self.recovery_state,
-            rank=0,
-            world_size=1,
+            replicator=optimizer.replicator,
             device=self.device,
+            owner=self.owner,
         )
-        self.replica.manage(optimizer.replicator)
-        log.info(
-            "%s: fault-tolerant mode, replica group %s", self.owner, self.settings.fault_tolerance.resolve_replica_id()
-        )
-
-    def add_recovery_state(self, name: str, get: Callable[[], Any], set_state: Callable[[Any], None]) -> None:
-        """Hand ``get()`` to a joining replica, which restores it with ``set_state`` (fault-tolerant mode)."""
-        self.recovery_state[name] = (get, set_state)
-        if self.replica is not None:
-            self.replica.extra_state[name] = (get, set_state)
-
-    def start_replica_step(self) -> None:
-        """Fault-tolerant mode: join this step's quorum once, before its first forward (a joiner is healed here).
-
-        Raises:
-            PeerPayloadError: The recovery checkpoint a live peer sent was refused.
-        """
-        if self.replica is not None and not self.replica_step_open:
-            self.replica.start_step()
-            self.replica_step_open = True
-
-    @property
-    def committed_steps(self) -> int:
-        """Fault-tolerant mode: steps the quorum committed (torchft's step; equal on every replica group that took
-        part in the last step, a healed joiner included); 0 otherwise."""
-        return 0 if self.replica is None else int(self.replica.current_step())
-
-    def committed_step(self, step: Callable[[], Any], *, retry: bool = False) -> Any:
-        """Run ``step`` (the optimizer step, closure included); in the fault-tolerant mode keep it only if the quorum
-        commits it (weights, gradients and optimizer state are restored otherwise). Returns what ``step`` returned.
-
-        Args:
-            step: Runs the optimizer step; with ``retry`` it must be repeatable (e.g. Lightning's closure, which runs
-                forward and backward again on the same batch).
-            retry: Run ``step`` again in a new quorum until it commits (a joiner or a lagging replica is healed in
-                that quorum, before the step runs again), so one call is one committed step. torchft's
-                ``max_retries`` (``FaultToleranceSettings.max_retries``) bounds the tries: past it, ``RuntimeError``.
-        """
-        if self.replica is None:
-            return step()
-        output: list[Any] = [None]
-
-        def run() -> None:
-            output[0] = step()
-
-        self.last_retries = 0
-        while True:
-            self.start_replica_step()
-            try:
-                self.last_commit = self.replica.step_optimizer(run)
-            finally:
-                self.replica_step_open = False
-            if self.last_commit or not retry:
-                return output[0]
-            self.last_retries += 1
-
-    def replica_metrics(self) -> dict[str, float]:
-        """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0),
-        ``ft/retries`` (discarded tries before it) and ``ft/step`` (committed steps, equal on every replica group)."""
-        if self.replica is None or self.last_commit is None:
-            return {}
-        return {
-            "ft/participants": float(self.replica.num_participants()),
-            "ft/committed": float(self.last_commit),
-            "ft/retries": float(self.last_retries),
-            "ft/step": float(self.replica.current_step()),
-        }
 
     # ------------------------------------------------------------------------------------------------ training
     def set_sync_blocked(self, blocked: bool) -> None:
@@ -432,24 +331,17 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
-        if self.replica is not None:
-            self.replica.shutdown()
-            self.replica = None
-            self.replica_step_open = False
+        self.quorum.leave()
         self.optimizer = None
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
         """Fault-tolerant mode: torchft's committed step (``{"torchft": manager.state_dict()}``)."""
-        if self.replica is None:
-            return None
-        return {"torchft": {k: int(v) for k, v in self.replica.manager.state_dict().items()}}
+        return self.quorum.checkpoint_state()
 
     def load_extra_checkpoint_state(self, entry: Any) -> None:
         """Restore the committed step saved by :meth:`extra_checkpoint_state` (nothing else is saved there)."""
-        if entry is not None and self.replica is not None and "torchft" in entry:
-            saved = entry["torchft"]
-            self.replica.manager.load_state_dict({key: int(saved[key]) for key in ("step", "batches_committed")})
+        self.quorum.load_checkpoint_state(entry)
 
     def checkpoint_part(self, global_rank: int) -> str:
         return ckpt.rank_file(".", global_rank).stem

@@ -112,12 +112,12 @@ class FlexDeMoStrategy(FabricStrategyBase[FlexDeMoSettings]):
     def committed_steps(self) -> int:
         """Fault-tolerant mode: steps the quorum committed (torchft's step; after ``start_step()`` a healed joiner
         has the survivors' count); 0 otherwise. Index your data and stop your loop by it."""
-        return self.runtime.committed_steps
+        return self.runtime.quorum.committed_steps
 
     @property
     def last_commit(self) -> bool | None:
         """Fault-tolerant mode: whether the last ``optimizer.step()`` was committed (None otherwise / before one)."""
-        return self.runtime.last_commit
+        return self.runtime.quorum.last_commit
 
     # ------------------------------------------------------------------------------------------------ training
     def start_step(self) -> None:
@@ -130,14 +130,14 @@ class FlexDeMoStrategy(FabricStrategyBase[FlexDeMoSettings]):
         Raises:
             PeerPayloadError: The recovery checkpoint a live peer sent was refused.
         """
-        self.runtime.start_replica_step()
+        self.runtime.quorum.start_step()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.runtime.before_step()
         parent = super()
-        output = self.runtime.committed_step(lambda: parent.optimizer_step(optimizer, **kwargs))
-        self.last_comm_metrics = {**self.runtime.after_step(), **self.runtime.replica_metrics()}
+        output = self.runtime.quorum.committed_step(lambda: parent.optimizer_step(optimizer, **kwargs))
+        self.last_comm_metrics = {**self.runtime.after_step(), **self.runtime.quorum.metrics()}
         return output
 
     # ------------------------------------------------------------------------------------------------ checkpoints

@@ -1,12 +1,11 @@
-"""The train loader of a fault-tolerant FlexDeMo node (``docs/spot.md``): its own shard, and a position that follows
-the committed step.
+"""The train loader of a fault-tolerant FlexDeMo node (``docs/spot.md``): its own shard, and the checkpoint it keeps
+when too few nodes stay.
 
 - :func:`shard_train_loader`: the Trainer's train loader rebuilt around
   :func:`~lightning_hetero.ft.data.replica_group_sampler` (torchft's ``DistributedSampler`` over replica groups), so
   every node reads its own disjoint shard of one training set.
-- :func:`follow_peer_mid_epoch`: a node healed *in place* mid-epoch (its try was discarded while the others went on,
-  e.g. it was frozen past the timeout) skips forward to the peer's (epoch, batch), so from its next batch on it reads
-  where the committed step says, not where it stopped.
+- :func:`save_below_minimum_checkpoint`: the verified checkpoint a node saves when too few replica groups stayed for
+  too long. (Following a peer's position after a heal is :mod:`lightning_hetero.strategies.trainer_position`.)
 """
 
 from __future__ import annotations
@@ -33,8 +32,9 @@ from lightning_hetero.ft.data import replica_group_sampler
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.ft.waiting import ReplicasBelowMinimumError
 from lightning_hetero.reliability.checkpoints import verify_checkpoint, write_manifest
+from lightning_hetero.strategies.trainer_position import batches_in_flight
 
-__all__ = ["follow_peer_mid_epoch", "save_below_minimum_checkpoint", "shard_train_loader"]
+__all__ = ["save_below_minimum_checkpoint", "shard_train_loader"]
 
 log = logging.getLogger("lightning_hetero.strategies.flexdemo.trainer")
 
@@ -100,57 +100,6 @@ def shard_train_loader(
     return _update_dataloader(loader, shard, mode=RunningStage.TRAINING)
 
 
-def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: int) -> bool:
-    """After an in-place heal mid-epoch: move this node's data position to the peer's ``(epoch, batches)``.
-
-    The batch in flight (drawn before the heal) is retried for this step; the loader then skips the batches this node
-    missed, and the loop's counters (``batch_idx``, the epoch's end) move with it, so the next batch is the peer's
-    next one and positions agree from then on. Only forward, within one epoch, and only with a
-    :class:`StatefulDataLoader` the loop reads without prefetching; otherwise the position stays and a warning says
-    so. Returns whether the position moved.
-    """
-    loop = trainer.fit_loop.epoch_loop
-    own = (int(trainer.current_epoch), int(loop.batch_progress.current.completed))
-    behind = batches - own[1]
-    if own == (epoch, batches):
-        return False
-    loader = trainer.train_dataloader
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-    prefetched = getattr(fetcher, "batches", None)
-    movable = (
-        isinstance(loader, StatefulDataLoader)
-        and own[0] == epoch
-        and behind > 0
-        and fetcher is not None
-        and getattr(fetcher, "length", None) is not None
-        and not prefetched
-    )
-    if not movable:
-        log.warning(
-            "FlexDeMoStrategy: healed from a peer mid-epoch; global_step follows it (%d), the data position stays "
-            "this node's (epoch %d, batch %d; the peer's: epoch %d, batch %d).",
-            global_step,
-            *own,
-            epoch,
-            batches,
-        )
-        return False
-    loader.advance(behind)
-    loop.batch_progress.increment_by(behind)  # ready, started, processed and completed alike: the batch in flight
-    fetcher.fetched += behind
-    fetcher.done = fetcher.fetched >= fetcher.length
-    loop.batch_progress.is_last_batch = fetcher.done
-    log.warning(
-        "FlexDeMoStrategy: healed from a peer mid-epoch at step %d; this node's data position moves %d batch(es) "
-        "forward to the peer's (epoch %d, batch %d) after the batch in flight.",
-        global_step,
-        behind,
-        epoch,
-        batches,
-    )
-    return True
-
-
 def save_below_minimum_checkpoint(trainer: Any, error: ReplicasBelowMinimumError) -> Path | None:
     """Save this node's last committed state next to its checkpoints, verify it, and name it in ``error``.
 
@@ -164,8 +113,7 @@ def save_below_minimum_checkpoint(trainer: Any, error: ReplicasBelowMinimumError
     callback = getattr(trainer, "checkpoint_callback", None)
     directory = getattr(callback, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
     path = Path(directory) / f"below-min-replicas-step={trainer.global_step}.ckpt"
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    in_flight = max(int(progress.ready) - int(progress.completed), 0)  # drawn, its step not committed
+    in_flight = batches_in_flight(trainer)
     loader = trainer.train_dataloader
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.core import process_rank_and_size
-from lightning_hetero.data.stateful import StatefulDataLoader
 from lightning_hetero.flexdemo.checkpoint import full_state_dict, load_local_module_state, local_module_state
 from lightning_hetero.flexdemo.conversion import repoint_scheduler
 from lightning_hetero.flexdemo.optim import DecoupledAdamW
@@ -56,20 +54,14 @@ from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSetting
 from lightning_hetero.ft.waiting import ReplicasBelowMinimumError
 from lightning_hetero.hetero.batch_share import gradient_scale
 from lightning_hetero.strategies.batch_share import TrainerBatchShare
-from lightning_hetero.strategies.flexdemo.replica_data import (
-    follow_peer_mid_epoch,
-    save_below_minimum_checkpoint,
-    shard_train_loader,
-)
+from lightning_hetero.strategies.flexdemo.replica_data import save_below_minimum_checkpoint, shard_train_loader
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
 from lightning_hetero.strategies.metric_names import without_callback_metrics
+from lightning_hetero.strategies.trainer_position import TrainerPosition
 
 __all__ = ["FlexDeMoStrategy"]
 
 log = logging.getLogger(__name__)
-
-POSITION_KEYS: tuple[str, ...] = ("global_step", "batches_that_stepped", "epoch", "batches")
-"""The Trainer position a live peer hands a joining replica group (recovery state ``"trainer_position"``)."""
 
 
 class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
@@ -89,7 +81,7 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`FlexDeMoSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
-        self._position: _TrainerPosition | None = None
+        self._position: TrainerPosition | None = None
         """Fault-tolerant mode: the Trainer position handed to and taken from peers (from ``setup_optimizers``)."""
         self._batch_share = TrainerBatchShare(type(self).__name__)
         self._loss_scale = 1.0
@@ -174,16 +166,16 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
             repoint_scheduler(config.scheduler, original, converted)
         self.optimizers = [converted]
         self._use_runtime_clipping()
-        if self.runtime.replica is not None:
+        if self.runtime.quorum.active:
             configs = list(self.lr_scheduler_configs)
             # A joining replica must continue the survivors' schedule, not restart it (its lr would differ).
-            self.runtime.add_recovery_state(
+            self.runtime.quorum.add_recovery_state(
                 "lr_schedulers",
                 lambda: [config.scheduler.state_dict() for config in configs],
                 lambda states: [c.scheduler.load_state_dict(s) for c, s in zip(configs, states, strict=True)],
             )
-            self._position = _TrainerPosition(trainer)
-            self.runtime.add_recovery_state(
+            self._position = TrainerPosition(trainer)
+            self.runtime.quorum.add_recovery_state(
                 "trainer_position", self._position.state_dict, self._position.load_state_dict
             )
 
@@ -263,18 +255,18 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def on_train_start(self) -> None:
         super().on_train_start()
         position = self._position
-        if self.runtime.replica is not None and position is not None:
+        if self.runtime.quorum.active and position is not None:
             position.start()
             # The first quorum before the first batch is drawn: a joiner healed here can still move its data position.
-            self.runtime.start_replica_step()
+            self.runtime.quorum.start_step()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         position = self._position
-        if self.runtime.replica is not None and position is not None:
+        if self.runtime.quorum.active and position is not None:
             position.first_batch()
-        self.runtime.start_replica_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
+        self.runtime.quorum.start_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -282,13 +274,13 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         parent = super()
         # Fault-tolerant mode: a discarded try runs again (closure: forward and backward on the same batch) in a new
         # quorum, so every node's global_step, LR schedulers and data position count committed steps only.
-        output = self.runtime.committed_step(
+        output = self.runtime.quorum.committed_step(
             lambda: parent.optimizer_step(optimizer, closure, model, **kwargs), retry=True
         )
         metrics = self.runtime.after_step()  # always: it re-arms the hooks and runs the drift guard
         if not self.settings.log_comm_stats:
             metrics = {}
-        metrics.update(self.runtime.replica_metrics())
+        metrics.update(self.runtime.quorum.metrics())
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             for name, value in without_callback_metrics(module._trainer, metrics).items():
@@ -313,108 +305,6 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         load_local_module_state(self.lightning_module, checkpoint["state_dict"], strict, self.runtime.owner)
-
-
-class _TrainerPosition:
-    """The Trainer's place in training as plain numbers, sent by a live peer and adopted by a joining replica group.
-
-    ``global_step`` (committed steps), ``batches_that_stepped`` (the loggers' step), ``epoch`` and ``batches`` (batches
-    of that epoch done). A peer sends it from its quorum, where the batch in flight is not done yet. The joiner takes
-    the steps always; the epoch and the batch only when healed before its first batch (the first quorum runs in
-    ``on_train_start``) and its train loader is a :class:`StatefulDataLoader`: the loader then skips that many of its
-    *own* batches (no sample of the peer's is copied) and the loop counts from there, as after a mid-epoch resume.
-    """
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.iterating = False
-        self._pending_stepped: int | None = None
-        self._noted = False
-
-    def start(self) -> None:
-        """``on_train_start``: no batch drawn yet; say once if the data position cannot follow a peer."""
-        self.iterating = False
-        if not isinstance(self.trainer.train_dataloader, StatefulDataLoader) and not self._noted:
-            self._noted = True
-            log.warning(
-                "FlexDeMoStrategy (fault-tolerant mode): the train dataloader is a %s, not a single "
-                "lightning_hetero.data.stateful.StatefulDataLoader, so its data position is per node and cannot "
-                "follow the survivors when this node rejoins (global_step does). Use a StatefulDataLoader to continue "
-                "at the survivors' epoch and batch on this node's own data.",
-                type(self.trainer.train_dataloader).__name__,
-            )
-
-    def first_batch(self) -> None:
-        """``on_train_batch_start``: finish an adoption made before the loop reset its counters."""
-        if not self.iterating:
-            self.iterating = True
-            if self._pending_stepped is not None:
-                self.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_stepped
-                self._pending_stepped = None
-
-    def state_dict(self) -> dict[str, int]:
-        loop = self.trainer.fit_loop.epoch_loop
-        return {
-            "global_step": int(self.trainer.global_step),
-            "batches_that_stepped": int(loop._batches_that_stepped),
-            "epoch": int(self.trainer.current_epoch),
-            "batches": int(loop.batch_progress.current.completed),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Adopt a peer's position (validated: counts >= 0).
-
-        Raises:
-            PeerPayloadError: A field is missing or not a count >= 0 (naming ``extra.trainer_position.<field>``).
-        """
-        position = _checked_position(state)
-        trainer = self.trainer
-        loop = trainer.fit_loop.epoch_loop
-        module = trainer.lightning_module
-        if module is None or module.automatic_optimization:
-            steps = loop.automatic_optimization.optim_progress.optimizer.step
-        else:
-            steps = loop.manual_optimization.optim_step_progress
-        # global_step reads the total of completed optimizer steps; a step in flight (ready, not completed) stays so.
-        steps.total.increment_by(position["global_step"] - trainer.global_step)
-        loader = trainer.train_dataloader
-        if self.iterating:
-            loop._batches_that_stepped = position["batches_that_stepped"]
-            # Healed in place (e.g. frozen past the timeout): the held batch is retried, then the data position
-            # jumps to the peer's, so it follows the committed step instead of staying behind.
-            follow_peer_mid_epoch(trainer, position["epoch"], position["batches"], position["global_step"])
-            return
-        self._pending_stepped = position["batches_that_stepped"]  # the loop's reset would change it
-        if not isinstance(loader, StatefulDataLoader):
-            return
-        epochs = trainer.fit_loop.epoch_progress
-        epochs.increment_by(position["epoch"] - trainer.current_epoch)
-        loader.load_state_dict({"epoch": position["epoch"], "batches_yielded": position["batches"]})
-        batches = loop.batch_progress
-        batches.increment_by(position["batches"] - batches.current.completed)
-        if position["batches"]:
-            # Lightning's own mid-epoch resume: the epoch loop keeps these counters (and the fetcher's count) once.
-            loop.restarting = True
-
-
-def _checked_position(state: Mapping[str, Any]) -> dict[str, int]:
-    if not isinstance(state, Mapping):
-        raise PeerPayloadError(
-            f"recovery checkpoint: trainer_position is a {type(state).__name__}, not a dict; refusing it.",
-            None,
-            "extra.trainer_position",
-        )
-    position = {}
-    for key in POSITION_KEYS:
-        value = state.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise PeerPayloadError(
-                f"recovery checkpoint: trainer_position.{key}={value!r} is not a count >= 0; refusing it.",
-                None,
-                f"extra.trainer_position.{key}",
-            )
-        position[key] = value
-    return position
 
 
 class _FullWeightsLauncher(_MultiProcessingLauncher):

@@ -57,7 +57,7 @@ class _Regression(__import__("lightning").LightningModule):
         runtime = self.trainer.strategy.runtime
         self.checkpoint_extra = runtime.extra_checkpoint_state(torch.device("cpu"))
         if batch_idx == 2:
-            self.recovered = _recovery_round_trip(runtime.replica)
+            self.recovered = _recovery_round_trip(runtime.quorum.replica)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -118,7 +118,7 @@ def test_a_committed_trainer_step_counts_in_global_step_and_travels_with_a_recov
     before = [p.detach().clone() for p in module.parameters()]
     trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=3)
     trainer.fit(module, _data())
-    assert strategy.runtime.replica is None, "teardown leaves the quorum"
+    assert not strategy.runtime.quorum.active, "teardown leaves the quorum"
     assert strategy.runtime.replicator_name == "demo", "one rank per launch is not one model copy: no 'full' fallback"
     assert [m["ft/committed"] for m in module.logged] == [1.0] * 3
     assert [m["ft/retries"] for m in module.logged] == [0.0] * 3
@@ -171,7 +171,7 @@ class _Indexed(_Regression):
         self.seen.append((self.current_epoch, batch_idx, index.tolist()))
         if batch_idx == self.fail_first_try_of and [b for _, b, _ in self.seen].count(batch_idx) == 1:
             # A peer failing mid-step looks like this to the Manager: the step may not commit.
-            self.trainer.strategy.runtime.replica.manager.report_error(RuntimeError("injected failure"))
+            self.trainer.strategy.runtime.quorum.replica.manager.report_error(RuntimeError("injected failure"))
         return torch.nn.functional.mse_loss(self.net(inputs), target)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -226,7 +226,7 @@ class _Heal(__import__("lightning").Callback):
     def _heal(self, trainer):
         from lightning_hetero.ft.codec import decode_state, encode_state
 
-        replica = trainer.strategy.runtime.replica
+        replica = trainer.strategy.runtime.quorum.replica
         peer = replica.state_dict()
         peer["extra"]["trainer_position"] = dict(self.position)
         step = replica.current_step()
@@ -355,7 +355,7 @@ def test_a_fabric_step_is_kept_only_when_the_quorum_commits_it(min_replicas):
         fabric.strategy.teardown()
     finally:
         lighthouse.shutdown()
-    assert strategy.runtime.replica is None, "teardown leaves the quorum"
+    assert not strategy.runtime.quorum.active, "teardown leaves the quorum"
     committed = min_replicas == 1
     assert strategy.last_commit is None or strategy.last_commit is committed
     assert [m["ft/committed"] for m in metrics] == [float(committed)] * 3

@@ -1,0 +1,186 @@
+"""One replica group's optimizer steps, gated on the torchft quorum: the fault-tolerant piece a strategy runtime uses.
+
+A strategy runtime (FlexDeMo's today) owns one :class:`QuorumSteps`. Outside the fault-tolerant mode it holds no
+replica and every call is a no-op (``committed_step`` just runs the step), so the runtime calls it unconditionally.
+In the mode (``docs/spot.md``) :meth:`QuorumSteps.join` builds the
+:class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` (torchft's Manager behind the lighthouse); each step
+joins the quorum once before its first forward (:meth:`start_step`, where a joiner is healed) and the optimizer step
+is kept only if the quorum commits it (:meth:`committed_step`), retried in a new quorum otherwise.
+
+Framework-free: the adapters decide when to call it; nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.replication.base import Replicator
+
+__all__ = ["QuorumSteps", "check_fault_tolerant_world"]
+
+log = logging.getLogger(__name__)
+
+StateFns = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def check_fault_tolerant_world(settings: FaultToleranceSettings | None, owner: str, nodes: int, ranks: int) -> None:
+    """The fault-tolerant mode runs one launch per replica group (node) of one rank; raise naming the fix.
+
+    Raises:
+        ValueError: The launch spans several nodes, or several ranks form one replica group.
+    """
+    if settings is None:
+        return
+    if nodes > 1:
+        raise ValueError(
+            f"{owner}(settings.fault_tolerance=...): this launch spans {nodes} nodes, but in the "
+            "fault-tolerant mode every node is its own replica group and its own launch (a node may die and "
+            "rejoin without the others restarting). Start one job per node with num_nodes=1 (torchrun "
+            "--nnodes 1 / Trainer(num_nodes=1)) and a distinct REPLICA_GROUP_ID each, all pointing at the same "
+            "lighthouse; see docs/spot.md."
+        )
+    if ranks > 1:
+        raise ValueError(
+            f"{owner}(settings.fault_tolerance=...): {ranks} ranks in one replica group. The fault-tolerant "
+            "mode supports one rank per replica group for now: the recovery checkpoint carries plain tensors, not "
+            "FSDP2 DTensor shards (each rank's local shard matched by group rank is not implemented). Use "
+            "devices=1 (torchrun --nproc-per-node 1) per replica group, or drop settings.fault_tolerance to use "
+            "FSDP2 inside a node with torchrun restarts."
+        )
+
+
+class QuorumSteps:
+    """The quorum-gated steps of one replica group (no-ops until :meth:`join`)."""
+
+    def __init__(self) -> None:
+        self.replica: Any | None = None
+        """The :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` from :meth:`join` to :meth:`leave`."""
+        self.recovery_state: dict[str, StateFns] = {}
+        """Name -> (get, set) of further state a joining replica takes from a live peer (e.g. LR schedulers)."""
+        self.step_open = False
+        """This step's quorum was joined and its optimizer step has not run yet."""
+        self.last_commit: bool | None = None
+        """Whether the last optimizer step was committed (None before the first)."""
+        self.last_retries = 0
+        """Discarded tries before the last optimizer step committed (``retry=True`` only)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether this replica group is in a quorum (between :meth:`join` and :meth:`leave`)."""
+        return self.replica is not None
+
+    def join(
+        self,
+        settings: FaultToleranceSettings,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        replicator: Replicator,
+        device: torch.device | str,
+        owner: str,
+    ) -> None:
+        """Join the torchft quorum as this replica group; ``replicator`` exchanges through the Manager from now on.
+
+        No cross-node broadcast of the initial state: torchft's first quorum syncs the replicas (``init_sync``).
+        """
+        from lightning_hetero.ft.replicas import FaultTolerantReplica  # needs the ft extra: imported on use
+
+        self.replica = FaultTolerantReplica(
+            settings,
+            model=model,
+            optimizer=optimizer,
+            extra_state=self.recovery_state,
+            rank=0,
+            world_size=1,
+            device=device,
+        )
+        self.replica.manage(replicator)
+        log.info("%s: fault-tolerant mode, replica group %s", owner, settings.resolve_replica_id())
+
+    def add_recovery_state(self, name: str, get: Callable[[], Any], set_state: Callable[[Any], None]) -> None:
+        """Hand ``get()`` to a joining replica, which restores it with ``set_state``."""
+        self.recovery_state[name] = (get, set_state)
+        if self.replica is not None:
+            self.replica.extra_state[name] = (get, set_state)
+
+    def start_step(self) -> None:
+        """Join this step's quorum once, before its first forward (a joiner is healed here).
+
+        Raises:
+            PeerPayloadError: The recovery checkpoint a live peer sent was refused.
+        """
+        if self.replica is not None and not self.step_open:
+            self.replica.start_step()
+            self.step_open = True
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps the quorum committed (torchft's step; equal on every replica group that took part in the last step,
+        a healed joiner included); 0 outside the mode."""
+        return 0 if self.replica is None else int(self.replica.current_step())
+
+    def committed_step(self, step: Callable[[], Any], *, retry: bool = False) -> Any:
+        """Run ``step`` (the optimizer step, closure included) and keep it only if the quorum commits it (weights,
+        gradients and optimizer state are restored otherwise); outside the mode just run it. Returns what ``step``
+        returned.
+
+        Args:
+            step: Runs the optimizer step; with ``retry`` it must be repeatable (e.g. Lightning's closure, which runs
+                forward and backward again on the same batch).
+            retry: Run ``step`` again in a new quorum until it commits (a joiner or a lagging replica is healed in
+                that quorum, before the step runs again), so one call is one committed step. torchft's
+                ``max_retries`` (``FaultToleranceSettings.max_retries``) bounds the tries: past it, ``RuntimeError``.
+        """
+        if self.replica is None:
+            return step()
+        output: list[Any] = [None]
+
+        def run() -> None:
+            output[0] = step()
+
+        self.last_retries = 0
+        while True:
+            self.start_step()
+            try:
+                self.last_commit = self.replica.step_optimizer(run)
+            finally:
+                self.step_open = False
+            if self.last_commit or not retry:
+                return output[0]
+            self.last_retries += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0),
+        ``ft/retries`` (discarded tries before it) and ``ft/step`` (committed steps, equal on every replica group)."""
+        if self.replica is None or self.last_commit is None:
+            return {}
+        return {
+            "ft/participants": float(self.replica.num_participants()),
+            "ft/committed": float(self.last_commit),
+            "ft/retries": float(self.last_retries),
+            "ft/step": float(self.replica.current_step()),
+        }
+
+    def leave(self) -> None:
+        """Leave the quorum (teardown); a later :meth:`join` starts again."""
+        if self.replica is not None:
+            self.replica.shutdown()
+            self.replica = None
+            self.step_open = False
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """torchft's committed step for a checkpoint (``{"torchft": manager.state_dict()}``), None outside the mode."""
+        if self.replica is None:
+            return None
+        return {"torchft": {k: int(v) for k, v in self.replica.manager.state_dict().items()}}
+
+    def load_checkpoint_state(self, entry: Any) -> None:
+        """Restore the committed step saved by :meth:`checkpoint_state` (nothing else is saved there)."""
+        if entry is not None and self.replica is not None and "torchft" in entry:
+            saved = entry["torchft"]
+            self.replica.manager.load_state_dict({key: int(saved[key]) for key in ("step", "batches_committed")})
