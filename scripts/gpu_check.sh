@@ -162,7 +162,7 @@ if [[ "$DRY" == 1 ]]; then
   # CPU stand-ins: one file's (skipped) cuda cases, the NCCL guard's refusal, a tiny codec and a 2-step fit.
   step unit_cuda 60 "" "${PYTEST[@]}" tests/unit/comm/test_codecs.py -k cuda
   step dist_cuda 60 "" "${PYTEST[@]}" tests/dist/test_cuda_readiness.py -k refused_before_spawning
-  step bench_codec 60 "$WORK/bench_codec.json" "$PY" recipes/bench_codec.py --device cpu --preset llama-tiny \
+  step bench_codec 60 "$WORK/bench_codec.json" "$PY" recipes/flexdemo/bench_codec.py --device cpu --preset llama-tiny \
     --threads 1 --repeats 1 --out "$WORK/bench_codec.json"
   step flexdemo_steps 90 "$WORK/flexdemo_steps.json" "$PY" scripts/gpu_flexdemo_steps.py --accelerator cpu \
     --preset llama-tiny --steps 2 --warmup 1 --batch-size 2 --seq-len 16 --out "$WORK/flexdemo_steps.json"
@@ -173,7 +173,7 @@ else
   # "cuda:gloo" world (a CUDA-only backend, as NCCL) run. No other dist test starts an NCCL world of one.
   step dist_cuda 100 "" "${PYTEST[@]}" -rs tests/dist/test_cuda_readiness.py
   # llama-medium with the benchmarks' 2048-token vocabulary, torch's default threads, best of 3.
-  step bench_codec 60 "$WORK/bench_codec.json" "$PY" recipes/bench_codec.py --device cuda --threads 0 \
+  step bench_codec 60 "$WORK/bench_codec.json" "$PY" recipes/flexdemo/bench_codec.py --device cuda --threads 0 \
     --vocab-size 2048 --repeats 3 --out "$WORK/bench_codec.json"
   # llama-medium on random tokens: the plain Trainer vs FlexDeMo (demo, 1/32) in an NCCL world of one.
   step flexdemo_steps 120 "$WORK/flexdemo_steps.json" "$PY" scripts/gpu_flexdemo_steps.py --accelerator gpu \

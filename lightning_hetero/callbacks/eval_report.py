@@ -4,9 +4,10 @@ Lightning's sanity check runs a couple of validation batches before training but
 users want the number they started from. :class:`ValidationReport` evaluates the validation set (or a fair sample of
 ``limit_batches`` batches of it) when fit starts and when it ends, and prints both.
 
-The evaluation helpers here are shared with :class:`~lightning_hetero.callbacks.tier_eval.TierEvaluation`: they run
-the module's own ``validation_step`` (or its ``validation_loss(batch)`` hook) outside Lightning's loop, read the loss
-it returns or logs, and leave no trace (nothing is logged through Lightning, torchmetrics states are restored).
+The evaluation helpers here are shared with MatFormer's
+:class:`~lightning_hetero.strategies.matformer.callbacks.tier_eval.TierEvaluation`: they run the module's own
+``validation_step`` (or its ``validation_loss(batch)`` hook) outside Lightning's loop, read the loss it returns or
+logs, and leave no trace (nothing is logged through Lightning, torchmetrics states are restored).
 """
 
 from __future__ import annotations

@@ -42,12 +42,14 @@ import lightning_hetero.callbacks  # noqa: F401  (short names for callbacks in Y
 import lightning_hetero.data  # noqa: F401  (short names for data modules in YAML)
 import lightning_hetero.models  # noqa: F401  (short names for modules in YAML)
 from lightning_hetero.cli.errors import raised_by, renamed_settings_message, unimportable_class_message
+from lightning_hetero.cli.spot_errors import fault_tolerance_message
 from lightning_hetero.cli.strategy_flags import class_form, first_strategy_override, without_strategy_overrides
 from lightning_hetero.models.base import HFModuleBase
-from lightning_hetero.strategies.registry import import_trainer_classes, unknown_strategy_message
+from lightning_hetero.strategies.registry import import_cli_classes, unknown_strategy_message
 
-# Short class names in YAML (``class_path: MatFormerStrategy``; settings need none): every strategy of the one table.
-import_trainer_classes()
+# Short class names in YAML (``class_path: MatFormerStrategy``, ``class_path: TierEvaluation``): every strategy, its
+# settings and its callbacks, from the one table.
+import_cli_classes()
 
 _ARGV: ContextVar[tuple[str, ...]] = ContextVar("lightning_hetero_cli_argv", default=())
 """The command line being parsed (a message about one renamed flag names the other renamed flags too)."""
@@ -58,7 +60,11 @@ _SETTINGS_ERROR = re.compile(r"\b\w+Settings\.\w+=")
 
 def explain(message: str) -> str:
     """The one-screen form of a parser error ``message``: what it is about and the fix, when we know better."""
-    for better in (renamed_settings_message(message, _ARGV.get()), unimportable_class_message(message)):
+    for better in (
+        fault_tolerance_message(message),
+        renamed_settings_message(message, _ARGV.get()),
+        unimportable_class_message(message),
+    ):
         if better is not None:
             return better
     return message

@@ -68,8 +68,8 @@ class FlexDeMoSettings:
         fault_tolerance: Opt-in spot-worker mode (see ``docs/spot.md``): the model copies are torchft replica
             groups that may leave and rejoin mid-run while the others keep training
             (:class:`~lightning_hetero.ft.FaultToleranceSettings`: lighthouse, ``min_replicas``, timeouts, replica
-            id). Each replica group is its own launch of one rank (``devices=1``, ``num_nodes=1``). None (default):
-            the restart-based path, unchanged.
+            id). Each replica group is its own launch of one node (``num_nodes=1``, FSDP2 over its ranks). None
+            (default): the restart-based path, unchanged.
         batch_share: Trainer only: each rank's micro-batch in proportion to its speed (``docs/batch_share.md``).
             None (default): every rank takes the loader's ``batch_size``. ``"auto"``: every rank times a few
             forward and backward passes at fit start and the shares follow the measured samples per second. A list:

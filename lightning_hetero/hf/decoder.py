@@ -5,8 +5,8 @@ LightningModule holding the model): ``LlamaForCausalLM``, ``MistralForCausalLM``
 ``Qwen3ForCausalLM``. They share the pre-norm layout ``model.{embed_tokens, layers, norm, rotary_emb}`` + ``lm_head``
 with ``self_attn.o_proj`` and ``mlp.down_proj`` as the only residual-stream writers (:data:`RESIDUAL_WRITERS`); their
 trainable norms sit on the sublayer *inputs* (and Qwen3's q/k norms inside attention). The subspace pipeline confines
-those writers (``docs/subspace.md``); greedy layerwise training recognises the same families. Framework-free: torch
-(and the HF model handed in), never Lightning.
+those writers (``docs/subspace_pipeline.md``); greedy layerwise training recognises the same families. Framework-free:
+torch (and the HF model handed in), never Lightning.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Greedy (and decoupled) layerwise training, framework-free: block splits, auxiliary heads, activation caches.
 
-See ``docs/layerwise.md``. The Lightning side is :class:`lightning_hetero.callbacks.GreedyLayerwise`.
+See ``docs/layerwise.md``. The Lightning side is
+:class:`lightning_hetero.strategies.layerwise.callbacks.GreedyLayerwise`.
 """
 
 from lightning_hetero.layerwise.blocks import split_into_blocks

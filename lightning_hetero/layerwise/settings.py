@@ -42,8 +42,9 @@ class LayerwiseSettings:
             (``mode="async"`` only): the message is left out (logged, counted) and the stage trains on the newest
             usable activations in its replay buffer; with none usable it raises.
         export_dir: Trainer only. Write the trained model there when fit ends (HF ``save_pretrained``; a CNN:
-            ``model.pt``), as :class:`~lightning_hetero.callbacks.GreedyLayerwise` does; auxiliary heads are not
-            part of it. None: no export (``strategy.export(path)`` does it on demand, also under Fabric).
+            ``model.pt``), as :class:`~lightning_hetero.strategies.layerwise.callbacks.GreedyLayerwise` does;
+            auxiliary heads are not part of it. None: no export (``strategy.export(path)`` does it on demand, also
+            under Fabric).
     """
 
     RENAMED: ClassVar[dict[str, str]] = {

@@ -1,7 +1,7 @@
 """The settings every pipeline strategy shares: how many stages, how many replicas, what a boundary carries.
 
 :class:`PipelineSettings` is a field (``pipeline``) of both
-:class:`~lightning_hetero.subspace.settings.SubspacePipelineSettings` and
+:class:`~lightning_hetero.subspace_pipeline.settings.SubspacePipelineSettings` and
 :class:`~lightning_hetero.layerwise.settings.LayerwiseSettings`, so these are declared (and documented) once. What
 only one method has (the subspace pipeline's schedule and micro-batches, layerwise's block boundaries and replay
 buffer) stays in that method's settings: a DGL stage never runs backward across a boundary, so it has no schedule.

@@ -1,7 +1,7 @@
 """The module that takes the place of the user's model and holds only this rank's pipeline stage.
 
-Shared by the subspace pipeline (:class:`~lightning_hetero.subspace.container.PipelineStageModel`) and layerwise
-training (:class:`~lightning_hetero.layerwise.dgl_stage.DGLStageModel`). Its parameters are the stage's, so
+Shared by the subspace pipeline (:class:`~lightning_hetero.subspace_pipeline.container.PipelineStageModel`) and
+layerwise training (:class:`~lightning_hetero.layerwise.dgl_stage.DGLStageModel`). Its parameters are the stage's, so
 ``configure_optimizers`` (``self.parameters()``) sees only this rank's share of the model. Calling it is an error:
 the strategy runs the stage. Nothing here imports Lightning.
 """

@@ -10,11 +10,12 @@ post-import hook on ``lightning.pytorch.strategies`` and ``lightning.fabric.stra
 the registry"). The Trainer lower-cases string flags, so names must be lowercase.
 
 A strategy joins by adding one :class:`StrategySpec` to ``_STRATEGIES`` (the import paths of its Trainer and Fabric
-classes and of its settings): everything else is derived from that entry, namely its ``_spawn`` alias, its names in
-both registries, the lazy attributes ``lightning_hetero.<Class>``, ``lightning_hetero.fabric.<Class>`` and
-``<Settings>`` (:data:`SETTINGS_CLASSES`), the short class names of the ``lightning-hetero`` command
-(:func:`import_cli_classes`) and the names its typo check suggests (:func:`unknown_strategy_message`). Users register
-their own classes with :func:`register_strategy`.
+classes, of its settings and of its own callbacks): everything else is derived from that entry, namely its
+``_spawn`` alias, its names in both registries, the lazy attributes ``lightning_hetero.<Class>``,
+``lightning_hetero.fabric.<Class>`` and ``<Settings>`` (:data:`SETTINGS_CLASSES`), the short class names of the
+``lightning-hetero`` command (strategies, settings and callbacks: :func:`import_cli_classes`) and the names its
+typo check suggests (:func:`unknown_strategy_message`). Users register their own classes with
+:func:`register_strategy`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class StrategySpec:
     """Keyword arguments bound to the name (e.g. ``{"start_method": "spawn"}`` for a ``*_spawn`` alias)."""
     settings_class: str | None = None
     """Import path of the strategy's typed settings (``lightning_hetero.<Settings>``), or None if it has none."""
+    callbacks: str | None = None
+    """The module of the callbacks that serve this strategy's method only (its public import path; the CLI imports it
+    so that YAML names them by short class name), or None if it has none."""
 
 
 def spawn_alias(spec: StrategySpec) -> StrategySpec:
@@ -56,6 +60,7 @@ def spawn_alias(spec: StrategySpec) -> StrategySpec:
         description=f"{spec.description} (start_method='spawn')",
         init_params={**spec.init_params, "start_method": "spawn"},
         settings_class=spec.settings_class,
+        callbacks=spec.callbacks,
     )
 
 
@@ -66,6 +71,7 @@ _STRATEGIES = (
         "lightning_hetero.strategies.matformer.fabric:MatFormerStrategy",
         description="Tiered MatFormer DDP: each rank trains its own FFN prefix, gradients synced per region",
         settings_class="lightning_hetero.matformer.settings:MatFormerSettings",
+        callbacks="lightning_hetero.strategies.matformer.callbacks",
     ),
     StrategySpec(
         "flexdemo",
@@ -76,17 +82,18 @@ _STRATEGIES = (
     ),
     StrategySpec(
         "subspace_pipeline",
-        "lightning_hetero.strategies.subspace.trainer:SubspacePipelineStrategy",
-        "lightning_hetero.strategies.subspace.fabric:SubspacePipelineStrategy",
+        "lightning_hetero.strategies.subspace_pipeline.trainer:SubspacePipelineStrategy",
+        "lightning_hetero.strategies.subspace_pipeline.fabric:SubspacePipelineStrategy",
         description="Pipeline parallelism whose stage boundaries carry k numbers per token (subspace networks)",
-        settings_class="lightning_hetero.subspace.settings:SubspacePipelineSettings",
+        settings_class="lightning_hetero.subspace_pipeline.settings:SubspacePipelineSettings",
+        callbacks="lightning_hetero.strategies.subspace_pipeline.callbacks",
     ),
     StrategySpec(
         "sparseflip",
-        "lightning_hetero.strategies.lowbit.trainer:SparseFlipStrategy",
-        "lightning_hetero.strategies.lowbit.fabric:SparseFlipStrategy",
+        "lightning_hetero.strategies.sparseflip.trainer:SparseFlipStrategy",
+        "lightning_hetero.strategies.sparseflip.fabric:SparseFlipStrategy",
         description="Ternary/binary weights trained by flips; ranks exchange thresholded sparse code gradients",
-        settings_class="lightning_hetero.lowbit.settings:SparseFlipSettings",
+        settings_class="lightning_hetero.sparseflip.settings:SparseFlipSettings",
     ),
     StrategySpec(
         "layerwise",
@@ -94,6 +101,7 @@ _STRATEGIES = (
         "lightning_hetero.strategies.layerwise.fabric:LayerwiseStrategy",
         description="Decoupled greedy layerwise training (DGL): one block per stage, local losses, forward-only",
         settings_class="lightning_hetero.layerwise.settings:LayerwiseSettings",
+        callbacks="lightning_hetero.strategies.layerwise.callbacks",
     ),
 )
 
@@ -153,11 +161,15 @@ def lazy_class(name: str, fabric: bool, owner: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def import_trainer_classes() -> list[type]:
-    """Import every built-in Trainer strategy class and settings class (for the CLI, whose YAML names them by short
-    class name: jsonargparse finds a class by name among the subclasses imported so far)."""
+def import_cli_classes() -> list[type]:
+    """Import every built-in Trainer strategy class, settings class and strategy callbacks module, and return the
+    strategy and settings classes (for the CLI, whose YAML names them and the callbacks by short class name:
+    jsonargparse finds a class by name among the subclasses imported so far)."""
     names = [*exported_classes(fabric=False), *settings_classes()]
-    return [lazy_class(name, fabric=False, owner=__name__) for name in names]
+    classes = [lazy_class(name, fabric=False, owner=__name__) for name in names]
+    for module in dict.fromkeys(spec.callbacks for spec in BUILTIN_STRATEGIES if spec.callbacks):
+        importlib.import_module(module)
+    return classes
 
 
 def unknown_strategy_message(name: str, registered: Iterable[str]) -> str | None:

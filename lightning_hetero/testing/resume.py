@@ -11,7 +11,7 @@ Trainer launches nothing) and does three fits of a tiny model on shuffled data s
 Each rank then compares its final parameters (its local shard where sharded), optimizer state (moments, error
 feedback, replicator state where the strategy keeps it there) and the strategy's extra checkpoint state (codec
 error-feedback buffers, subspace bases, ...) of the straight and resumed fits, bit for bit, plus the order of the
-batches it trained on. Used by ``tests/dist/test_midepoch_resume.py`` and ``recipes/reliability_resume.py``.
+batches it trained on. Used by ``tests/dist/test_midepoch_resume.py`` and ``recipes/reliability/reliability_resume.py``.
 """
 
 from __future__ import annotations
@@ -60,16 +60,16 @@ def _strategy(case: str) -> Any:
         return MatFormerStrategy(settings=MatFormerSettings(tiers=[0, 1], mode="demo", replication=replication))
     if case == "subspace/pipeline":
         from lightning_hetero.pipeline.settings import PipelineSettings
-        from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
-        from lightning_hetero.subspace.settings import SubspacePipelineSettings
+        from lightning_hetero.strategies.subspace_pipeline.trainer import SubspacePipelineStrategy
+        from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 
         settings = SubspacePipelineSettings(
             pipeline=PipelineSettings(num_stages=2), subspace_dim=8, n_microbatches=2, update_every=3
         )
         return SubspacePipelineStrategy(settings=settings)
     if case == "sparseflip/low-bit":
-        from lightning_hetero.lowbit.settings import FlipSettings, FpSyncSettings, SparseFlipSettings
-        from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
+        from lightning_hetero.sparseflip.settings import FlipSettings, FpSyncSettings, SparseFlipSettings
+        from lightning_hetero.strategies.sparseflip.trainer import SparseFlipStrategy
 
         settings = SparseFlipSettings(
             flip=FlipSettings(max_per_step=16, bop_gamma=0.3),

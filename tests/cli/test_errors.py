@@ -278,7 +278,7 @@ def test_model_types_from_built_models_and_from_configs():
 
 
 def test_subspace_check_model_types():
-    from lightning_hetero.subspace.settings import SubspacePipelineSettings
+    from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 
     settings = SubspacePipelineSettings()
     for ok in (set(), {"llama"}, {"qwen3"}, {"llama", "clip"}):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lightning_hetero import MatFormerStrategy
-from lightning_hetero.callbacks import MatFormerSampler, TierEvaluation, TierExport
 from lightning_hetero.cli import build_cli
 from lightning_hetero.matformer.settings import MatFormerSettings
+from lightning_hetero.strategies.matformer.callbacks import MatFormerSampler, TierEvaluation, TierExport
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("matformer_*.yaml"))

@@ -24,7 +24,7 @@ def _cuda_device_and_sum(rank: int, world_size: int) -> tuple[int, float]:
 
 
 def _lowbit_checkpoint_gather_in_an_accelerator_world(rank: int, world_size: int) -> list[list[float]]:
-    from lightning_hetero.lowbit.runtime import _gather_to_every_rank
+    from lightning_hetero.sparseflip.runtime import _gather_to_every_rank
 
     residual = torch.full((3,), float(rank))  # the sparseflip residuals live on the CPU
     try:

@@ -1,5 +1,6 @@
 """Faults on real process groups: a hung peer inside a later-created group fails within the job's timeout; and
-(slow) torchrun jobs of recipes/reliability_worker.py that survive a killed rank, a hung peer and a crash mid-save."""
+(slow) torchrun jobs of recipes/reliability/reliability_worker.py that survive a killed rank, a hung peer and a crash
+mid-save."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_a_hung_peer_fails_collectives_of_later_groups_with_a_timeout():
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_reliability", REPO / "recipes/bench_reliability.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_reliability", REPO / "recipes/reliability/bench_reliability.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

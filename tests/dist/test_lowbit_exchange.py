@@ -15,8 +15,8 @@ from torch import nn
 
 from lightning_hetero.comm import ByteLedger
 from lightning_hetero.comm.validation import PeerPayloadError
-from lightning_hetero.lowbit import CodeLayout, SparseFlipExchange, convert_model, exchange_bytes
-from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
+from lightning_hetero.sparseflip import CodeLayout, SparseFlipExchange, convert_model, exchange_bytes
+from lightning_hetero.sparseflip.fp_sync import SparseGradientAverage
 from lightning_hetero.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(180)

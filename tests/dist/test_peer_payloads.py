@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_hetero.lowbit.fp_sync as fp_sync_module
-import lightning_hetero.lowbit.sparse as sparse_module
+import lightning_hetero.sparseflip.fp_sync as fp_sync_module
+import lightning_hetero.sparseflip.sparse as sparse_module
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.core import all_gather_json
-from lightning_hetero.lowbit.fp_sync import SparseGradientAverage
-from lightning_hetero.lowbit.sparse import SparseFlipExchange
-from lightning_hetero.lowbit.wire import HEADER_BYTES, encode_sparse, index_section_nbytes
 from lightning_hetero.replication import build_replicator
+from lightning_hetero.sparseflip.fp_sync import SparseGradientAverage
+from lightning_hetero.sparseflip.sparse import SparseFlipExchange
+from lightning_hetero.sparseflip.wire import HEADER_BYTES, encode_sparse, index_section_nbytes
 from lightning_hetero.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(240)

@@ -36,8 +36,8 @@ from lightning_hetero.pipeline.settings import PipelineSettings
 from lightning_hetero.replication.settings import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.fabric import FlexDeMoStrategy
 from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy
-from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.strategies.subspace_pipeline.fabric import SubspacePipelineStrategy
+from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 from lightning_hetero.testing import run_distributed
 from tests.token_data import VOCAB, progressions
 

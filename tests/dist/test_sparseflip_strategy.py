@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import SparseFlipStrategy
 from lightning_hetero.fabric import SparseFlipStrategy as FabricSparseFlipStrategy
-from lightning_hetero.lowbit import CodeExchangeSettings, FlipSettings, FpSyncSettings, SparseFlipSettings
+from lightning_hetero.sparseflip import CodeExchangeSettings, FlipSettings, FpSyncSettings, SparseFlipSettings
 from tests.fixtures import fit_ranks
-from tests.unit.lowbit.test_strategy import DigitsMLP
+from tests.unit.sparseflip.test_strategy import DigitsMLP
 
 pytestmark = pytest.mark.timeout(600)
 

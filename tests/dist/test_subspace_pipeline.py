@@ -1,8 +1,8 @@
 """The subspace pipeline runtime on spawned gloo ranks: exact parity with one process, exact ledger bytes.
 
 Each worker builds the same seeded tiny Llama, keeps only its own stage and runs GPipe and 1F1B steps through
-:class:`~lightning_hetero.subspace.runtime.SubspacePipelineRuntime`. The parent runs the independent reference: the
-whole constrained model as ONE module (``constrained_model``, no boundary encode/decode) or the unmodified HF model
+:class:`~lightning_hetero.subspace_pipeline.runtime.SubspacePipelineRuntime`. The parent runs the independent reference:
+the whole constrained model as ONE module (``constrained_model``, no boundary encode/decode) or the unmodified HF model
 (``compress=False``), and compares the loss and every stage parameter's gradient to 1e-5.
 """
 
@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero import comm
 from lightning_hetero.pipeline.settings import PipelineSettings
-from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.subspace_pipeline.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 from lightning_hetero.testing import run_distributed
 
 VOCAB, HIDDEN, K, SEQ, BATCH = 64, 32, 8, 12, 8
@@ -49,8 +49,8 @@ def _batch(seed: int = 3) -> dict[str, torch.Tensor]:
 
 def _reference(run: dict[str, Any], num_stages: int, batches: list[dict[str, torch.Tensor]]) -> tuple[float, dict]:
     """Loss and gradients of the same model in one process: mean over replicas of the full-batch token-mean loss."""
-    from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
+    from lightning_hetero.subspace_pipeline.basis import SubspaceConfig
+    from lightning_hetero.subspace_pipeline.stages import causal_lm_loss, constrained_model
 
     hf = _hf_model()
     if run.get("compress", True):
@@ -128,8 +128,8 @@ def _update_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 def _check_update(results: list[dict[str, Any]]) -> None:
     """Bit-identical U on both stages, moved by the update; the pipeline still equals one process (exact boundary)."""
-    from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
+    from lightning_hetero.subspace_pipeline.basis import SubspaceConfig
+    from lightning_hetero.subspace_pipeline.stages import causal_lm_loss, constrained_model
 
     stage0, stage1 = results
     assert torch.equal(stage0["basis"], stage1["basis"])

@@ -17,9 +17,11 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hetero.models import CausalLMModule
-from lightning_hetero.strategies.subspace.fabric import SubspacePipelineStrategy as FabricSubspacePipelineStrategy
-from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.strategies.subspace_pipeline.fabric import (
+    SubspacePipelineStrategy as FabricSubspacePipelineStrategy,
+)
+from lightning_hetero.strategies.subspace_pipeline.trainer import SubspacePipelineStrategy
+from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 from tests.fixtures import StrategyStepLlama, ValidatedTokenData, fit_ranks, pipeline_fields
 from tests.token_data import TINY_LLAMA, progressions
 
@@ -89,8 +91,8 @@ def test_trainer_loss_falls_and_every_rank_logs_the_real_loss(trainer_run):
 
 
 def _one_process_losses(steps: int) -> list[float]:
-    from lightning_hetero.subspace.basis import SubspaceConfig
-    from lightning_hetero.subspace.stages import causal_lm_loss, constrained_model
+    from lightning_hetero.subspace_pipeline.basis import SubspaceConfig
+    from lightning_hetero.subspace_pipeline.stages import causal_lm_loss, constrained_model
 
     model = constrained_model(StrategyStepLlama().model, SubspaceConfig(subspace_dim=8), 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -131,7 +133,7 @@ def test_trainer_resume_is_bit_identical_on_every_stage(tmp_path):
         for index, state in first["optimizer"]["state"].items():
             for key, value in state.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(again["optimizer"]["state"][index][key]))
-    from lightning_hetero.subspace.basis import orthonormal_basis
+    from lightning_hetero.subspace_pipeline.basis import orthonormal_basis
 
     bases = [record["state"]["model.stage.subspace.basis"] for record in straight]
     assert torch.equal(bases[0], bases[1])  # both stages on one basis after two updates...
@@ -187,7 +189,7 @@ def _fabric_train(fabric: Fabric, out: Path) -> None:
     if exported is not None:
         from transformers import AutoModelForCausalLM
 
-        from lightning_hetero.subspace.stages import causal_lm_loss
+        from lightning_hetero.subspace_pipeline.stages import causal_lm_loss
 
         dense = AutoModelForCausalLM.from_pretrained(exported)
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Smoke run of recipes/bench_flexdemo.py on the testbed: tiny model, 4 steps, the sweep's code paths end to end.
+"""Smoke run of recipes/flexdemo/bench_flexdemo.py on the testbed: tiny model, 4 steps, the sweep's code paths end
+to end.
 
 A stock DDP baseline, a DeMo variant with a non-default chunk and error feedback off, and a DiLoCo variant with its
 own H and outer lr: quality runs unthrottled, then the extra bandwidth for the baseline, the default and the best.
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_flexdemo_sweep_smoke(tmp_path: Path) -> None:
     require_testbed()
     variants = ["ddp", "demo-1/32-sign-c32-noef@1e-3", "diloco-h2-olr0.7"]
-    command = [sys.executable, str(REPO / "recipes/bench_flexdemo.py"), "--preset", "llama-tiny"]
+    command = [sys.executable, str(REPO / "recipes/flexdemo/bench_flexdemo.py"), "--preset", "llama-tiny"]
     command += ["--ranks-per-node", "1", "--batch-size", "1", "--steps", "4", "--val-every", "2", "--val-batches", "1"]
     command += ["--variants", *variants, "--bandwidths", "unthrottled", "--extra-bandwidths", "100mbit"]
     command += ["--speed-steps", "3", "--out-dir", str(tmp_path)]
@@ -54,7 +55,12 @@ def test_bench_flexdemo_sweep_smoke(tmp_path: Path) -> None:
     for name in ("frontier.png", "loss_vs_wallclock.png", "bytes_per_step.png"):
         assert (tmp_path / name).stat().st_size > 0
     table = subprocess.run(
-        [sys.executable, str(REPO / "recipes/bench_flexdemo.py"), "--markdown", str(tmp_path / "results.json")],
+        [
+            sys.executable,
+            str(REPO / "recipes/flexdemo/bench_flexdemo.py"),
+            "--markdown",
+            str(tmp_path / "results.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,4 +1,4 @@
-"""recipes/bench_hetero.py end to end, tiny: two sides on cgroup-limited testbed nodes (root, iproute2, cgroups).
+"""recipes/hetero/bench_hetero.py end to end, tiny: two sides on cgroup-limited testbed nodes (root, iproute2, cgroups).
 
 The figures are not checked (recorded runs live in docs/results/hetero_*); what is checked is that each side trains
 on nodes whose limits the testbed report confirms, that the batch share splits the global batch, and that the
@@ -28,7 +28,15 @@ def test_speed_smoke_trains_alone_and_with_a_batch_share(tmp_path):
         check_environment(cgroup_controllers=("cpu", "memory"))
     except TestbedConfigError as error:
         pytest.skip(str(error))
-    argv = [sys.executable, "recipes/bench_hetero.py", "--scenario", "speed", "--smoke", "--out-dir", str(tmp_path)]
+    argv = [
+        sys.executable,
+        "recipes/hetero/bench_hetero.py",
+        "--scenario",
+        "speed",
+        "--smoke",
+        "--out-dir",
+        str(tmp_path),
+    ]
     argv += ["--sides", "single", "flexdemo-share", "--bandwidth", "50mbit"]
     completed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=380)
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]

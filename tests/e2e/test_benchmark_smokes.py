@@ -34,7 +34,7 @@ def test_bench_subspace_quick_run_and_recompute(tmp_path):
     require_testbed()
     out = tmp_path / "subspace"
     run_recipe(
-        "recipes/bench_subspace.py", "--stages", "2", "--variants", "plain", "ssn16-bf16",
+        "recipes/subspace_pipeline/bench_subspace.py", "--stages", "2", "--variants", "plain", "ssn16-bf16",
         "--bandwidths", "unthrottled", "80mbit", "--steps", "4", "--speed-steps", "4", "--warmup", "1",
         "--val-every", "2", "--val-batches", "1", "--batch-size", "4", "--microbatches", "2", "--out-dir", str(out),
     )  # fmt: skip
@@ -57,7 +57,7 @@ def test_bench_subspace_quick_run_and_recompute(tmp_path):
     assert low - half <= point["ratio"] <= high + half, (point, low, high)
     assert runs["ssn16-bf16", "80mbit"]["step_over_physical_limit"] > 0
     before = {key: run.get("speedup_vs_plain") for key, run in runs.items()}
-    run_recipe("recipes/bench_subspace.py", "--from-results", str(out / "results.json"))
+    run_recipe("recipes/subspace_pipeline/bench_subspace.py", "--from-results", str(out / "results.json"))
     again = json.loads((out / "results.json").read_text())
     assert {(r["variant"], r["bandwidth"]): r.get("speedup_vs_plain") for r in again["runs"]} == before
 
@@ -69,7 +69,7 @@ def test_bench_baselines_quick_ddp_run(tmp_path):
     require_testbed()
     out = tmp_path / "baselines"
     run_recipe(
-        "recipes/bench_baselines.py", "--strategies", "ddp", "--bandwidths", "unthrottled", "--steps", "3",
+        "recipes/flexdemo/bench_baselines.py", "--strategies", "ddp", "--bandwidths", "unthrottled", "--steps", "3",
         "--warmup", "1", "--out-dir", str(out),
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
@@ -83,7 +83,7 @@ def test_bench_baselines_quick_ddp_run(tmp_path):
 def test_bench_operating_point_one_model(tmp_path):
     """R of llama-tiny at two bandwidths from one timed step, with the labelled 1B/8B projections."""
     run_recipe(
-        "recipes/bench_operating_point.py", "--models", "llama-tiny", "--steps", "1",
+        "recipes/flexdemo/bench_operating_point.py", "--models", "llama-tiny", "--steps", "1",
         "--bandwidths", "20mbit", "1gbit", "--out-dir", str(tmp_path),
     )  # fmt: skip
     results = json.loads((tmp_path / "results.json").read_text())
@@ -97,7 +97,7 @@ def test_bench_operating_point_one_model(tmp_path):
 
 def test_bench_operating_point_rejects_an_unknown_model():
     result = subprocess.run(
-        [sys.executable, "recipes/bench_operating_point.py", "--models", "llama-huge"],
+        [sys.executable, "recipes/flexdemo/bench_operating_point.py", "--models", "llama-huge"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0 and "--models" in result.stderr and "llama-tiny" in result.stderr
@@ -108,7 +108,9 @@ def test_bench_operating_point_rejects_an_unknown_model():
 def test_bench_matformer_memory_two_tiers(tmp_path):
     """Peak memory of tier 0 and tier 1 of llama-tiny, each measured in its own process."""
     out = tmp_path / "memory.json"
-    run_recipe("recipes/bench_matformer_memory.py", "--models", "llama-tiny", "--tiers", "0", "1", "--out", str(out))
+    run_recipe(
+        "recipes/matformer/bench_matformer_memory.py", "--models", "llama-tiny", "--tiers", "0", "1", "--out", str(out)
+    )
     (measured,) = json.loads(out.read_text())["measured"]
     tier0, tier1 = measured["rows"]
     assert (tier0["tier"], tier1["tier"]) == (0, 1) and tier1["intermediate_size"] * 2 == tier0["intermediate_size"]
@@ -121,7 +123,7 @@ def test_bench_matformer_memory_two_tiers(tmp_path):
 def test_bench_codec_times_every_phase_of_the_demo_codec(tmp_path):
     """llama-tiny shapes, one repeat: every phase is timed and the wire bytes are the replicator's payload formula."""
     out = tmp_path / "codec.json"
-    run_recipe("recipes/bench_codec.py", "--preset", "llama-tiny", "--repeats", "1", "--out", str(out))
+    run_recipe("recipes/flexdemo/bench_codec.py", "--preset", "llama-tiny", "--repeats", "1", "--out", str(out))
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"dct", "top_k", "inverse_dct", "encode", "decode_gathered", "clone_only"}
     assert all(value > 0 for value in result["seconds"].values()) and result["codec_seconds_per_step"] > 0

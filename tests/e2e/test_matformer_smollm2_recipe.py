@@ -1,4 +1,4 @@
-"""Smoke run of ``recipes/bench_matformer_smollm2.py memory --quick`` on the real SmolLM2-135M weights.
+"""Smoke run of ``recipes/matformer/bench_matformer_smollm2.py memory --quick`` on the real SmolLM2-135M weights.
 
 Checks what the benchmark's memory table rests on: the tier-1 checkpoint exported from the dequantized GGUF holds
 exactly the analytic parameter count, its exact training state shrinks by exactly the analytic FFN bytes, and the
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "common"))
 
 from headline import update_headline  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_memory_quick_run(tmp_path: Path) -> None:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {module} package (bash scripts/setup.sh test)")
     work = REPO / "outputs" / "bench_matformer_smollm2"  # the prepared checkpoints are reused between runs
-    command = [sys.executable, str(REPO / "recipes" / "bench_matformer_smollm2.py"), "memory", "--quick"]
+    command = [sys.executable, str(REPO / "recipes" / "matformer" / "bench_matformer_smollm2.py"), "memory", "--quick"]
     command += ["--work", str(work), "--results-dir", str(tmp_path)]
     headline_before = _headline_state()
     completed = subprocess.run(command, capture_output=True, text=True, timeout=880)

@@ -78,7 +78,7 @@ def test_bench_lowbit_quick_smoke(tmp_path):
     """The low-bit benchmark runs end to end in its quick mode and writes a complete JSON (figures not checked)."""
     import json
 
-    command = [sys.executable, str(REPO / "recipes/bench_lowbit.py"), "--quick", "--out", str(tmp_path)]
+    command = [sys.executable, str(REPO / "recipes/sparseflip/bench_lowbit.py"), "--quick", "--out", str(tmp_path)]
     command += ["--only", "classifiers", "sweep", "bytes", "packing"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=580)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

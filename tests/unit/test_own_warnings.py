@@ -97,21 +97,22 @@ def _one_stage(kind: str) -> Any:
         from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
 
         return LayerwiseStrategy(settings=LayerwiseSettings(pipeline=PipelineSettings(num_stages=1)))
-    from lightning_hetero.strategies.subspace.trainer import SubspacePipelineStrategy
-    from lightning_hetero.subspace.settings import SubspacePipelineSettings
+    from lightning_hetero.strategies.subspace_pipeline.trainer import SubspacePipelineStrategy
+    from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 
     return SubspacePipelineStrategy(settings=SubspacePipelineSettings(pipeline=PipelineSettings(num_stages=1)))
 
 
 def _matformer_with_callbacks() -> None:
-    from lightning_hetero.callbacks import CommunicationMonitor, TierEvaluation, ValidationReport
+    from lightning_hetero.callbacks import CommunicationMonitor, ValidationReport
+    from lightning_hetero.strategies.matformer.callbacks import TierEvaluation
 
     callbacks = [TierEvaluation(tiers=[0, 1]), ValidationReport(limit_batches=1), CommunicationMonitor()]
     _fit(_by_name("matformer"), LitLlama(), callbacks)
 
 
 def _greedy_layerwise() -> None:
-    from lightning_hetero.callbacks import GreedyLayerwise
+    from lightning_hetero.strategies.layerwise.callbacks import GreedyLayerwise
 
     _fit("auto", LitLlama(), [GreedyLayerwise(stage_steps=1, aux_head="lm_head")])
 
@@ -161,7 +162,7 @@ def test_the_recorder_attributes_a_library_warning_to_the_caller_that_made_the_c
 def test_our_attention_masks_pass_the_cache_argument_by_its_current_name():
     from transformers import LlamaConfig
 
-    from lightning_hetero.subspace.stage_module import _attention_masks
+    from lightning_hetero.subspace_pipeline.stage_module import _attention_masks
 
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8)
     with _recorded() as found:

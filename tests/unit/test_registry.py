@@ -204,8 +204,8 @@ def test_a_new_strategy_needs_one_entry(monkeypatch, probe_name):
     assert lightning_hetero._TrainerProbe is _TrainerProbe and "_TrainerProbe" in lightning_hetero.__dir__()
     assert fabric._FabricProbe is _FabricProbe and "_FabricProbe" in fabric.__dir__()
     assert lightning_hetero._ProbeSettings is fabric._ProbeSettings is _ProbeSettings
-    assert _TrainerProbe in registry_module.import_trainer_classes()  # the CLI's short class names
-    assert _ProbeSettings in registry_module.import_trainer_classes()
+    assert _TrainerProbe in registry_module.import_cli_classes()  # the CLI's short class names
+    assert _ProbeSettings in registry_module.import_cli_classes()
     assert class_form(probe_name, StrategyRegistry) == {
         "class_path": f"{__name__}._TrainerProbe",
         "init_args": {"device": "cpu"},

@@ -21,10 +21,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import LlamaForCausalLM
 
-from lightning_hetero.callbacks import TierEvaluation, ValidationReport
+from lightning_hetero.callbacks import ValidationReport
 from lightning_hetero.data import DigitsDataModule, MNISTDataModule
 from lightning_hetero.data.base import FixedOrderSampler, fair_prefix
 from lightning_hetero.matformer.slicing import tier_view
+from lightning_hetero.strategies.matformer.callbacks import TierEvaluation
 from lightning_hetero.testing import run_distributed
 from tests.unit.data.conftest import requires_mlxtend, requires_sklearn
 from tests.usercode.usernets import ClassDigits, UserCNN, UserLlama, tiny_llama_config

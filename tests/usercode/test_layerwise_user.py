@@ -28,11 +28,11 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_hetero.callbacks import GreedyLayerwise
 from lightning_hetero.layerwise.settings import LayerwiseSettings
-from lightning_hetero.lowbit.layers import lowbit_layers
+from lightning_hetero.sparseflip.layers import lowbit_layers
+from lightning_hetero.strategies.layerwise.callbacks import GreedyLayerwise
 from lightning_hetero.strategies.layerwise.trainer import LayerwiseStrategy
-from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
+from lightning_hetero.strategies.sparseflip.trainer import SparseFlipStrategy
 from lightning_hetero.testing import run_distributed
 from tests.fixtures import Recorder
 from tests.usercode.usernets import Progressions, UserCNN, UserLlama

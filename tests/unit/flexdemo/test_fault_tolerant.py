@@ -1,7 +1,7 @@
 """FlexDeMoStrategy's fault-tolerant mode (settings.fault_tolerance) in a single-process Trainer on a real lighthouse.
 
 One replica group in the pytest process (several replica groups that die and rejoin: tests/dist/test_ft_flexdemo.py).
-Covers the settings field, the launch check (one launch per replica group of one rank), the step gate (a step the
+Covers the settings field, the launch check (one launch per node, one model copy), the step gate (a step the
 quorum does not commit leaves weights and optimizer state as they were) and the ft/* metrics.
 """
 
@@ -29,15 +29,19 @@ def test_fault_tolerance_takes_a_fault_tolerance_settings():
 
 
 @pytest.mark.parametrize(
-    ("nodes", "ranks", "message"),
-    [(2, 1, r"spans 2 nodes.*one job per node.*REPLICA_GROUP_ID"), (1, 2, r"2 ranks in one replica group.*DTensor")],
+    ("nodes", "ranks", "shard_size", "message"),
+    [
+        (2, 1, None, r"spans 2 nodes.*one job per node.*REPLICA_GROUP_ID"),
+        (1, 4, 2, r"shard_size=2.*2 model copies.*shard_size=None"),
+    ],
 )
-def test_the_launch_check_refuses_a_replica_group_of_several_ranks_or_nodes(nodes, ranks, message):
-    runtime = FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT))
+def test_the_launch_check_refuses_a_launch_spanning_nodes_or_holding_several_copies(nodes, ranks, shard_size, message):
+    runtime = FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT, shard_size=shard_size))
     with pytest.raises(ValueError, match=message):
         runtime.resolve_launch(WorldLayout(nodes, ranks))
-    FlexDeMoRuntime(FlexDeMoSettings()).resolve_launch(WorldLayout(nodes, ranks))  # the restart-based path: fine
+    FlexDeMoRuntime(FlexDeMoSettings(shard_size=shard_size)).resolve_launch(WorldLayout(nodes, ranks))  # restarts
     FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT)).resolve_launch(WorldLayout(1, 1))
+    FlexDeMoRuntime(FlexDeMoSettings(fault_tolerance=FT)).resolve_launch(WorldLayout(1, 2))  # FSDP2 in the node
 
 
 class _Regression(__import__("lightning").LightningModule):
@@ -313,8 +317,8 @@ def test_a_trainer_or_fabric_spanning_nodes_is_refused_before_launch():
     settings = FlexDeMoSettings(fault_tolerance=FT)
     with pytest.raises(ValueError, match=r"spans 2 nodes.*one job per node"):
         quiet_trainer(devices=1, num_nodes=2, strategy=FlexDeMoStrategy(settings=settings))
-    with pytest.raises(ValueError, match=r"2 ranks in one replica group.*devices=1"):
-        Fabric(accelerator="cpu", devices=2, strategy=FabricFlexDeMoStrategy(settings=settings))
+    with pytest.raises(ValueError, match=r"spans 2 nodes.*one job per node"):
+        Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy=FabricFlexDeMoStrategy(settings=settings))
 
 
 @pytest.mark.timeout(180)

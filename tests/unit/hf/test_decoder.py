@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from lightning_hetero.hf.decoder import SUPPORTED_FAMILIES, find_decoder
-from tests.unit.subspace._tiny import LAYERS, tiny_model
+from tests.unit.subspace_pipeline._tiny import LAYERS, tiny_model
 
 
 def test_find_decoder_inside_a_wrapper_module() -> None:

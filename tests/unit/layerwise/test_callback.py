@@ -9,9 +9,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from transformers import AutoModelForImageClassification
 
-from lightning_hetero.callbacks import GreedyLayerwise
 from lightning_hetero.layerwise import SplitMismatchError
 from lightning_hetero.models.image_classifier import ImageClassifierModule
+from lightning_hetero.strategies.layerwise.callbacks import GreedyLayerwise
 from tests.unit.layerwise.helpers import TINY_VIT, tiny_batch
 
 DATA = tiny_batch("vit", rows=16, seed=3)

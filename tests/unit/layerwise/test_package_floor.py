@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[3] / "lightning_hetero"
-OTHER_METHODS = ("flexdemo", "lowbit", "matformer", "subspace")
+OTHER_METHODS = ("flexdemo", "matformer", "sparseflip", "subspace_pipeline")
 
 
 def _imported(path: Path) -> set[str]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_hetero.callbacks.tier_source import callback_tiers
 from lightning_hetero.hetero.measure import peak_memory_bytes, reset_peak_memory
 from lightning_hetero.hetero.tier_settings import AutoTierSettings
 from lightning_hetero.matformer import auto_tiers
@@ -17,6 +16,7 @@ from lightning_hetero.matformer.adapters import find_ffns
 from lightning_hetero.matformer.auto_tiers import ProbeStep, probe_tiers
 from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import MatFormerSettings, expand_entries
+from lightning_hetero.strategies.matformer.callbacks.tier_source import callback_tiers
 from tests.token_data import TINY_LLAMA, progressions
 
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_hetero.pipeline.boundary_codec import BoundaryCodec, pack_int8, unpack_int8
-from lightning_hetero.subspace import SubspaceConfig, build_stages
-from tests.unit.subspace._tiny import chain_with_messages, fresh, relative_error, tiny_model, token_ids
+from lightning_hetero.subspace_pipeline import SubspaceConfig, build_stages
+from tests.unit.subspace_pipeline._tiny import chain_with_messages, fresh, relative_error, tiny_model, token_ids
 
 B, S = 3, 5
 

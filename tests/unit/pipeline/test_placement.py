@@ -10,8 +10,8 @@ from lightning_hetero.layerwise.dgl_runtime import DecoupledRuntime
 from lightning_hetero.layerwise.settings import LayerwiseSettings
 from lightning_hetero.pipeline.layout import PipelinePlacement
 from lightning_hetero.pipeline.settings import PipelineSettings
-from lightning_hetero.subspace.runtime import SubspacePipelineRuntime
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.subspace_pipeline.runtime import SubspacePipelineRuntime
+from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 
 PIPELINE = PipelineSettings(num_stages=2, data_parallel_size=3)
 RUNTIMES = [
@@ -43,7 +43,7 @@ def test_a_stage_holder_refuses_to_run_and_a_runtime_refuses_a_holder_of_another
 
     from lightning_hetero.layerwise.dgl_stage import DGLStageModel
     from lightning_hetero.pipeline.stage_holder import StageHolder, find_stage_holder
-    from lightning_hetero.subspace.container import PipelineStageModel
+    from lightning_hetero.subspace_pipeline.container import PipelineStageModel
 
     holders = [
         DGLStageModel(None, nn.Linear(2, 2), nn.Linear(2, 2), 1, 3, None),

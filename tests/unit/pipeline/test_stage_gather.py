@@ -26,10 +26,10 @@ from lightning_hetero.pipeline.stage_gather import (
     gather_stage_states,
     stage_bytes_limit,
 )
-from lightning_hetero.subspace import SubspaceConfig, build_stages
+from lightning_hetero.subspace_pipeline import SubspaceConfig, build_stages
 from lightning_hetero.testing import run_distributed
 from tests.payload_rule import assert_decoder_rule, gather_outcome
-from tests.unit.subspace._tiny import fresh, tiny_model
+from tests.unit.subspace_pipeline._tiny import fresh, tiny_model
 
 FUZZ = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 STATE = {"layer.weight_coords": torch.linspace(-1.0, 1.0, 12).reshape(3, 4), "steps": torch.tensor([7])}

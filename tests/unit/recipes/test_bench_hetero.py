@@ -1,4 +1,5 @@
-"""recipes/bench_hetero.py: argument checks, the best-baseline target, time to target and speed-up on fixed records."""
+"""recipes/hetero/bench_hetero.py: argument checks, the best-baseline target, time to target and speed-up on fixed
+records."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "hetero"))
 
 hetero = importlib.import_module("bench_hetero")
 

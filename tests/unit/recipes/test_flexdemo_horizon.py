@@ -1,4 +1,5 @@
-"""recipes/bench_flexdemo_horizon.py: argument checks, the seed statistics and time to target, and one tiny real run."""
+"""recipes/flexdemo/bench_flexdemo_horizon.py: argument checks, the seed statistics and time to target, and one tiny
+real run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "recipes" / "flexdemo"))
 
 horizon = importlib.import_module("bench_flexdemo_horizon")
 

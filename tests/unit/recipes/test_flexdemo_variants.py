@@ -1,4 +1,5 @@
-"""The variant grammar of recipes/bench_flexdemo.py (recipes/flexdemo_variants.py) and the sweep's analysis."""
+"""The variant grammar of recipes/flexdemo/bench_flexdemo.py (recipes/flexdemo/flexdemo_variants.py) and the sweep's
+analysis."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "recipes"))
+sys.path[:0] = [str(REPO / "recipes" / name) for name in ("flexdemo", "common")]
 
 variants = importlib.import_module("flexdemo_variants")
 bench = importlib.import_module("bench_flexdemo")

@@ -1,4 +1,4 @@
-"""The low-bit classifier experiment of recipes/lowbit_experiments.py (a short smoke run)."""
+"""The low-bit classifier experiment of recipes/sparseflip/lowbit_experiments.py (a short smoke run)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "sparseflip"))
 
 from lowbit_experiments import FlipSettings, train_classifier  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""The operating point R and its projection helpers (recipes/operating_point.py): exact arithmetic and clear errors."""
+"""The operating point R and its projection helpers (recipes/common/operating_point.py): exact arithmetic and clear
+errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "common"))
 
 from operating_point import (  # noqa: E402
     PROJECTION_MODELS,

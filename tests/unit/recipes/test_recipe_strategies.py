@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from lightning_hetero.flexdemo.settings import FlexDeMoSettings
-from lightning_hetero.lowbit.settings import SparseFlipSettings
 from lightning_hetero.matformer.settings import MatFormerSettings
 from lightning_hetero.replication.settings import ReplicationSettings
-from lightning_hetero.subspace.settings import SubspacePipelineSettings
+from lightning_hetero.sparseflip.settings import SparseFlipSettings
+from lightning_hetero.subspace_pipeline.settings import SubspacePipelineSettings
 from lightning_hetero.testing.resume import CASES, _strategy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+sys.path[:0] = [str(RECIPES / "finetune"), str(RECIPES / "reliability")]
 
 import finetune_smollm2_worker  # noqa: E402
 import reliability_elastic  # noqa: E402

@@ -51,15 +51,15 @@ def unsafe_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _trainer_strategies() -> list[Any]:
-    from lightning_hetero.strategies.lowbit.trainer import SparseFlipStrategy
     from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy
+    from lightning_hetero.strategies.sparseflip.trainer import SparseFlipStrategy
 
     return [SparseFlipStrategy(), MatFormerStrategy()]
 
 
 def _fabric_strategies() -> list[Any]:
-    from lightning_hetero.strategies.lowbit.fabric import SparseFlipStrategy
     from lightning_hetero.strategies.matformer.fabric import MatFormerStrategy
+    from lightning_hetero.strategies.sparseflip.fabric import SparseFlipStrategy
 
     return [SparseFlipStrategy(), MatFormerStrategy()]
 
