@@ -1,4 +1,4 @@
-"""Ternary / binary ``Linear`` and ``Conv2d`` layers in two modes (swapped into models by ``lowbit.convert``).
+"""Ternary / binary ``Linear`` and ``Conv2d`` layers in two modes (swapped into models by ``sparseflip.convert``).
 
 Modes:
 

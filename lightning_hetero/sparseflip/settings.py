@@ -21,7 +21,7 @@ Kind = Literal["ternary", "binary"]
 Granularity = Literal["row", "layer"]
 FlipRule = Literal["local_bop", "bop", "topk"]
 Encoding = Literal["sign", "ternary", "bf16", "fp32"]  # comm.payload_packing.VALUE_ENCODINGS (a test keeps them equal)
-Aggregation = Literal["server", "allgather"]  # lowbit.sparse.EXCHANGE_MODES
+Aggregation = Literal["server", "allgather"]  # sparseflip.sparse.EXCHANGE_MODES
 NonfinitePolicy = Literal["raise", "skip"]
 BadPayloadPolicy = Literal["raise", "drop"]  # comm.validation.BAD_PAYLOAD_POLICIES
 
