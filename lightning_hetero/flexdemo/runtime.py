@@ -6,10 +6,11 @@ strategy is constructed), builds the ``(replicate, shard)`` mesh, shards the mod
 the first replica's state, converts and binds the optimizer, installs the overlap hooks, clips with the node's
 gradient norm, runs the drift guard and reports communication statistics. The adapters decide *when*.
 
-With ``settings.fault_tolerance`` (the spot-worker mode, ``docs/spot.md``) each launch is one replica group of one
-rank: the optimizer's replicator exchanges through a :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica`
-(torchft's Manager, the mean over the replicas present this step) instead of a replicate process group, and the
-adapters gate each optimizer step on the quorum's commit through ``runtime.quorum``
+With ``settings.fault_tolerance`` (the spot-worker mode, ``docs/spot.md``) each launch is one replica group: one model
+copy, FSDP2-sharded over the launch's ranks. Each rank's replicator exchanges its own shard through a
+:class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` of its group rank (torchft's Manager, with the same group
+rank of every other replica group, the mean over the replicas present this step) instead of a replicate process group,
+and the adapters gate each optimizer step on the quorum's commit through ``runtime.quorum``
 (:class:`~lightning_hetero.ft.quorum_steps.QuorumSteps`: ``start_step``, ``committed_step``).
 """
 
@@ -130,6 +131,7 @@ class FlexDeMoRuntime(StrategyRuntime):
         """Check ``shard_size`` against the ranks per node of the launch (and the fault-tolerant mode's layout)."""
         check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, world.num_nodes, world.ranks_per_node)
         self.resolve_world(world.world_size, world.ranks_per_node)
+        check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, 1, world.ranks_per_node, self.shard_size)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
@@ -148,6 +150,7 @@ class FlexDeMoRuntime(StrategyRuntime):
         if self.shard_size is None or world_size % self.shard_size:
             self.resolve_world(world_size, world_size)
         assert self.shard_size is not None
+        check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, 1, world_size, self.shard_size)
         self.topology = build_topology(device, self.shard_size)
         self.device = device
         # Fault-tolerant mode: the model copies are the replica groups behind the lighthouse, not this launch's ranks.
@@ -228,6 +231,8 @@ class FlexDeMoRuntime(StrategyRuntime):
             replicator=optimizer.replicator,
             device=self.device,
             owner=self.owner,
+            rank=self.topology.rank,
+            world_size=self.topology.world_size,
         )
 
     # ------------------------------------------------------------------------------------------------ training

@@ -28,11 +28,24 @@ log = logging.getLogger(__name__)
 StateFns = tuple[Callable[[], Any], Callable[[Any], None]]
 
 
-def check_fault_tolerant_world(settings: FaultToleranceSettings | None, owner: str, nodes: int, ranks: int) -> None:
-    """The fault-tolerant mode runs one launch per replica group (node) of one rank; raise naming the fix.
+def check_fault_tolerant_world(
+    settings: FaultToleranceSettings | None, owner: str, nodes: int, ranks: int, shard_size: int | None = None
+) -> None:
+    """The fault-tolerant mode runs one launch per replica group (node), its ranks sharding one model copy; raise
+    naming the fix.
+
+    A replica group may hold several ranks (FSDP2 inside the node): each rank joins the quorum as its group rank and
+    exchanges its own shard with the same group rank of every other replica group (``docs/spot.md``).
+
+    Args:
+        settings: The fault-tolerant mode's settings (None: nothing to check).
+        owner: Class name used in messages.
+        nodes: Nodes of this launch.
+        ranks: Ranks per node of this launch (the replica group's ranks).
+        shard_size: Ranks that shard one model copy, when known (None: every rank of the node).
 
     Raises:
-        ValueError: The launch spans several nodes, or several ranks form one replica group.
+        ValueError: The launch spans several nodes, or its ranks hold more than one model copy.
     """
     if settings is None:
         return
@@ -44,13 +57,12 @@ def check_fault_tolerant_world(settings: FaultToleranceSettings | None, owner: s
             "--nnodes 1 / Trainer(num_nodes=1)) and a distinct REPLICA_GROUP_ID each, all pointing at the same "
             "lighthouse; see docs/spot.md."
         )
-    if ranks > 1:
+    if shard_size is not None and shard_size != ranks:
         raise ValueError(
-            f"{owner}(settings.fault_tolerance=...): {ranks} ranks in one replica group. The fault-tolerant "
-            "mode supports one rank per replica group for now: the recovery checkpoint carries plain tensors, not "
-            "FSDP2 DTensor shards (each rank's local shard matched by group rank is not implemented). Use "
-            "devices=1 (torchrun --nproc-per-node 1) per replica group, or drop settings.fault_tolerance to use "
-            "FSDP2 inside a node with torchrun restarts."
+            f"{owner}(settings.fault_tolerance=..., settings.shard_size={shard_size}): the {ranks} ranks of this "
+            f"replica group would hold {max(ranks // max(shard_size, 1), 1)} model copies, but in the fault-tolerant "
+            "mode one replica group (one launch) is one model copy sharded over all its ranks. Leave "
+            f"settings.shard_size=None (or set it to {ranks}); see docs/spot.md."
         )
 
 
@@ -83,24 +95,59 @@ class QuorumSteps:
         replicator: Replicator,
         device: torch.device | str,
         owner: str,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
-        """Join the torchft quorum as this replica group; ``replicator`` exchanges through the Manager from now on.
+        """Join the torchft quorum as this rank of the replica group; ``replicator`` exchanges through the Manager.
 
         No cross-node broadcast of the initial state: torchft's first quorum syncs the replicas (``init_sync``).
+        With several ranks per replica group (``world_size`` > 1, the launch's default process group), group rank 0
+        starts the group's TCPStore and broadcasts its port to the other ranks (collective over that group); every
+        rank then runs its own Manager, which exchanges with the same group rank of every other replica group.
+
+        Args:
+            settings: The fault-tolerant mode's settings.
+            model: The model copy (this rank's FSDP2 shards).
+            optimizer: Its (replicating) optimizer.
+            replicator: The optimizer's replicator, routed through the Manager.
+            device: This rank's device (``cuda``: NCCL, else gloo).
+            owner: Class name used in logs.
+            rank: This rank inside the replica group (the launch's rank).
+            world_size: Ranks in the replica group (the launch's world size).
         """
         from lightning_hetero.ft.replicas import FaultTolerantReplica  # needs the ft extra: imported on use
 
-        self.replica = FaultTolerantReplica(
-            settings,
-            model=model,
-            optimizer=optimizer,
-            extra_state=self.recovery_state,
-            rank=0,
-            world_size=1,
-            device=device,
-        )
+        def build(store_port: int | None) -> FaultTolerantReplica:
+            return FaultTolerantReplica(
+                settings,
+                model=model,
+                optimizer=optimizer,
+                extra_state=self.recovery_state,
+                store_port=store_port,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+            )
+
+        if world_size == 1:
+            self.replica = build(None)
+        else:
+            # The port travels over the launch's own group (ranks of one node, one host): no peer data, no pickle.
+            port = torch.zeros(1, dtype=torch.int64, device=device)
+            if rank == 0:
+                self.replica = build(None)
+                port.fill_(self.replica.store_port)
+            torch.distributed.broadcast(port, src=0)
+            if rank != 0:
+                self.replica = build(int(port.item()))
         self.replica.manage(replicator)
-        log.info("%s: fault-tolerant mode, replica group %s", owner, settings.resolve_replica_id())
+        log.info(
+            "%s: fault-tolerant mode, replica group %s, group rank %d of %d",
+            owner,
+            settings.resolve_replica_id(),
+            rank,
+            world_size,
+        )
 
     def add_recovery_state(self, name: str, get: Callable[[], Any], set_state: Callable[[Any], None]) -> None:
         """Hand ``get()`` to a joining replica, which restores it with ``set_state``."""

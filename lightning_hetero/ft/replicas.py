@@ -17,6 +17,11 @@ optimizer state with momenta / error feedback, replicator state, the committed s
 through :class:`~lightning_hetero.ft.transport.SafeCheckpointTransport` before its first forward, takes part in that
 step's average and applies the same update, so after its first step it is bit-identical to the survivors.
 
+A replica group may hold several ranks (FSDP2 inside a node): each rank builds its own replica with ``rank`` (its
+group rank) and ``world_size`` (the group's ranks), group rank 0 starting the group's TCPStore. torchft's process group
+of group rank ``i`` connects rank ``i`` of every replica group, so each rank exchanges its own shard, and a joining
+group's rank ``i`` is healed from rank ``i`` of a live group with that rank's local shards.
+
 Replicators (:mod:`lightning_hetero.replication`) exchange through the Manager once
 :meth:`FaultTolerantReplica.manage` set their ``collectives`` hook: :meth:`FaultTolerantReplica.launch`, with the
 replicator's ``num_replicas`` set to this step's participant count so its average is over the replicas present.
@@ -130,6 +135,13 @@ class FaultTolerantReplica:
                 raise ValueError("store_port: ranks other than 0 of a replica group must be given rank 0's store port.")
             self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
             store_port = self._store.port
+        self.store_port = int(store_port)
+        """This replica group's TCPStore port (group rank 0 hands it to the other ranks)."""
+        self.group_rank = rank
+        """This rank inside its replica group: it exchanges with, heals from and heals the same group rank of the
+        other replica groups."""
+        self.group_size = world_size
+        """Ranks in the replica group (FSDP2 inside the node; every replica group must have the same)."""
         self.secret = load_secret(settings.secret_file, settings.secret_env, required=settings.require_secret)
         """The cluster secret (membership): its ``repr`` is redacted and it cannot be pickled."""
         self._slots: Any = None
@@ -175,9 +187,13 @@ class FaultTolerantReplica:
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimizer state (momenta, error feedback, replicator state), RNG and the extra state."""
+        """Weights, optimizer state (momenta, error feedback, replicator state), RNG and the extra state.
+
+        Weights are this rank's local tensors: an FSDP2 ``DTensor`` parameter contributes its local shard, which the
+        same group rank of a joining replica group loads into its own shard (:func:`_load_model`).
+        """
         return {
-            "model": self.model.state_dict(),
+            "model": {name: _local(value) for name, value in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "rng": _rng_state(),
             "extra": {name: get() for name, (get, _) in self.extra_state.items()},
@@ -206,7 +222,7 @@ class FaultTolerantReplica:
         log.info("replica healed from a live peer at step %d", self.manager.current_step())
 
     def _apply_state(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        _load_model(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
         for name, (_, set_state) in self.extra_state.items():
@@ -274,7 +290,10 @@ class FaultTolerantReplica:
     def slots(self) -> SlotExchange:
         """The authenticated slot exchange over the Manager's group (:mod:`lightning_hetero.ft.slots`)."""
         if self._slots is None:
-            self._slots = SlotExchange(self.manager, self.secret, self.settings.cluster_id)
+            cluster = self.settings.cluster_id
+            if self.group_size > 1:  # group rank i exchanges only with group rank i: a tag is valid in its own group
+                cluster = f"{cluster}/group-rank-{self.group_rank}-of-{self.group_size}"
+            self._slots = SlotExchange(self.manager, self.secret, cluster)
         return self._slots
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -450,3 +469,23 @@ class FaultTolerantReplica:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+def _load_model(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Load ``state`` (local tensors, as :meth:`FaultTolerantReplica.state_dict` sends them) into ``model``.
+
+    FSDP2 parameters are DTensors: this rank's local shard takes the received tensor in place (the sender was the
+    same group rank of another replica group, the codec checked the local shapes). Without DTensors, the module's
+    own ``load_state_dict``.
+    """
+    own = model.state_dict(keep_vars=True)
+    if not any(_local(value) is not value for value in own.values() if isinstance(value, torch.Tensor)):
+        model.load_state_dict(state)
+        return
+    missing = sorted(set(own) ^ set(state))
+    if missing:
+        raise KeyError(f"model state keys differ from this replica's: {missing[:5]}")
+    with torch.no_grad():
+        for name, value in own.items():
+            if isinstance(value, torch.Tensor):
+                _local(value).copy_(state[name])

@@ -17,7 +17,7 @@ still reduce-scatters inside the node). ``fabric.clip_gradients`` clips with the
 ``FlexDeMoSettings(overlap=False)`` (the exchange would otherwise have started from the unclipped gradients).
 ``fabric.save`` writes a directory with one file per rank; ``fabric.load`` restores it in place.
 
-The fault-tolerant mode (``FlexDeMoSettings(fault_tolerance=...)``, ``docs/spot.md``; one rank per launch): call
+The fault-tolerant mode (``FlexDeMoSettings(fault_tolerance=...)``, ``docs/spot.md``; one launch per node): call
 ``strategy.start_step()`` at the top of every iteration, before the forward (it joins the step's torchft quorum; a
 joining replica is healed there), and read ``strategy.last_commit`` after ``optimizer.step()`` (False: the quorum did
 not commit the step, and the weights, gradients and optimizer state were restored). Your loop owns the counting:

@@ -18,17 +18,18 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
 - ``optimizer_step``: after the step, ``comm/*`` metrics are logged and the drift guard runs when due.
 - Checkpoints are directories with one file per rank (:mod:`lightning_hetero.flexdemo.checkpoint`).
 
-The fault-tolerant mode (``settings.fault_tolerance``, ``docs/spot.md``): each launch is one replica group of one
-rank. ``on_train_start`` joins the first quorum and ``on_train_batch_start`` every later one (a joining replica is
-healed there, before its forward); ``optimizer_step`` runs Lightning's step (closure included) and keeps it only if
-the quorum commits it, else runs it again on the same batch in a new quorum, so ``global_step`` counts committed
-steps; then it logs ``ft/participants``, ``ft/committed``, ``ft/retries`` and ``ft/step``. LR schedulers' state and
-the Trainer's position (``global_step``, the loggers' step, epoch and batch) travel with a recovery: a joiner
-continues at the survivors' step and, with a :class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same
-(epoch, batch) position of its own data; a node healed in place mid-epoch jumps to it after its batch in flight. With
-``fault_tolerance.num_replica_groups`` the train loader reads this node's shard of the training set
-(:mod:`~lightning_hetero.strategies.flexdemo.replica_data`). Too few replica groups for longer than
-``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the error ends ``fit``.
+The fault-tolerant mode (``settings.fault_tolerance``, ``docs/spot.md``): each launch is one replica group (one node,
+FSDP2 over its ranks; each rank a group rank of torchft's Manager). ``on_train_start`` joins the first quorum and
+``on_train_batch_start`` every later one (a joining replica is healed there, before its forward); ``optimizer_step``
+runs Lightning's step (closure included) and keeps it only if the quorum commits it, else runs it again on the same
+batch in a new quorum, so ``global_step`` counts committed steps; then it logs ``ft/participants``, ``ft/committed``,
+``ft/retries`` and ``ft/step``. LR schedulers' state and the Trainer's position (``global_step``, the loggers' step,
+epoch and batch) travel with a recovery: a joiner continues at the survivors' step and, with a
+:class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same (epoch, batch) position of its own data; a node
+healed in place mid-epoch jumps to it after its batch in flight. With ``fault_tolerance.num_replica_groups`` the train
+loader reads this node's shard of the training set (:mod:`~lightning_hetero.strategies.flexdemo.replica_data`).
+Too few replica groups for longer than ``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the
+error ends ``fit``.
 """
 
 from __future__ import annotations

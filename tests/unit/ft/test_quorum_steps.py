@@ -1,4 +1,4 @@
-"""QuorumSteps outside a quorum (every call a no-op, the step just runs) and the one-rank-per-group launch check."""
+"""QuorumSteps outside a quorum (every call a no-op, the step just runs) and the one-launch-per-node launch check."""
 
 from __future__ import annotations
 
@@ -26,9 +26,25 @@ def test_without_fault_tolerance_any_world_is_fine() -> None:
 
 
 @pytest.mark.parametrize(
-    ("nodes", "ranks", "message"),
-    [(2, 1, r"spans 2 nodes.*num_nodes=1.*REPLICA_GROUP_ID"), (1, 2, r"2 ranks in one replica group.*devices=1")],
+    ("nodes", "ranks", "shard_size", "message"),
+    [
+        (2, 1, None, r"spans 2 nodes.*num_nodes=1.*REPLICA_GROUP_ID"),
+        (2, 4, 4, r"spans 2 nodes"),
+        (
+            1,
+            4,
+            2,
+            r"shard_size=2.*4 ranks of this replica group would hold 2 model copies.*shard_size=None \(or.*4\)",
+        ),
+    ],
 )
-def test_one_launch_per_node_of_one_rank_is_enforced_naming_the_fix(nodes: int, ranks: int, message: str) -> None:
+def test_one_launch_per_node_holding_one_model_copy_is_enforced_naming_the_fix(
+    nodes: int, ranks: int, shard_size: int | None, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
-        check_fault_tolerant_world(FaultToleranceSettings(), "FlexDeMoStrategy", nodes, ranks)
+        check_fault_tolerant_world(FaultToleranceSettings(), "FlexDeMoStrategy", nodes, ranks, shard_size)
+
+
+@pytest.mark.parametrize(("ranks", "shard_size"), [(1, None), (2, None), (2, 2), (8, 8), (1, 1)])
+def test_a_node_of_several_ranks_sharding_one_copy_is_accepted(ranks: int, shard_size: int | None) -> None:
+    check_fault_tolerant_world(FaultToleranceSettings(), "FlexDeMoStrategy", 1, ranks, shard_size)
