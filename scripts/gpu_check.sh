@@ -160,7 +160,7 @@ step env 60 "$WORK/env_facts.json" bash "$WORK/env.sh"
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors)
 if [[ "$DRY" == 1 ]]; then
   # CPU stand-ins: one file's (skipped) cuda cases, the NCCL guard's refusal, a tiny codec and a 2-step fit.
-  step unit_cuda 60 "" "${PYTEST[@]}" tests/unit/comm/test_codecs.py -k cuda
+  step unit_cuda 60 "" "${PYTEST[@]}" tests/unit/comm/test_payload_packing.py -k cuda
   step dist_cuda 60 "" "${PYTEST[@]}" tests/dist/test_cuda_readiness.py -k refused_before_spawning
   step bench_codec 60 "$WORK/bench_codec.json" "$PY" recipes/flexdemo/bench_codec.py --device cpu --preset llama-tiny \
     --threads 1 --repeats 1 --out "$WORK/bench_codec.json"

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_hetero import comm
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.replication.base import Replicator
 
@@ -137,7 +138,7 @@ class QuorumSteps:
             if rank == 0:
                 self.replica = build(None)
                 port.fill_(self.replica.store_port)
-            torch.distributed.broadcast(port, src=0)
+            comm.broadcast(port, src=0, label=comm.INTRA)
             if rank != 0:
                 self.replica = build(int(port.item()))
         self.replica.manage(replicator)
