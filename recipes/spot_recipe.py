@@ -1,22 +1,24 @@
-"""Spot-worker fault recipe on localhost: a torchft lighthouse and 3 replica groups (recipes/spot_worker.py, gloo).
+"""Spot recipe through Lightning: FlexDeMo Trainers on torchft, with kills, a freeze, a lighthouse restart and a
+period below ``min_replicas``; writes ``docs/results/spot.json``.
 
-Starts the lighthouse itself (``torchft_lighthouse``), runs 3 replica processes, kills one with SIGKILL three times
-(restarting it each time) and freezes one with SIGSTOP past the collective timeout (then SIGCONT); every rejoin is
-healed from a live peer through the pickle-free transport (the workers run with ``--forbid-pickle``). Then it runs
-the same schedule without faults for the reference loss, stops the lighthouse and writes ``docs/results/spot.json``:
+Each node is one process of ``recipes/spot_trainer_worker.py`` (``Trainer(strategy=FlexDeMoStrategy(settings=
+FlexDeMoSettings(fault_tolerance=...)))``, one rank, gloo, its own torchrun-style environment and
+``REPLICA_GROUP_ID``), training llama-tiny on ``ShakespeareDataModule`` with ``num_replica_groups`` = the node count
+(each node its own shard of one training set), every worker with the cluster secret (``LIGHTNING_HETERO_FT_SECRET``,
+``require_secret``) and ``--forbid-pickle``. The lighthouse is docs/spot.md's command (``torchft_lighthouse
+--min_replicas 2 --bind [::]:PORT --join_timeout_ms 500 --heartbeat_timeout_ms 1500``). The schedule
+(recipes/spot_report.py ``plan``): SIGKILL node 2 and restart it, SIGKILL node 1 and restart it, SIGSTOP node 1 past
+the quorum timeout then SIGCONT, SIGKILL the lighthouse and restart it on the same address, SIGKILL nodes 1 and 2
+together and restart them ``--below-min`` seconds later (node 0 alone is below ``min_replicas`` and waits). Then the
+run trains ``--tail`` more seconds and stops at one committed step.
 
-- ``engine``, ``nodes``, ``kills``, ``sigstops``, ``rejoins``;
-- ``survivor_restarts``: processes of a node that was not the victim that changed pid (target 0);
-- ``survivor_steps_lost``: committed steps missing from the union of all replicas' logs (target 0);
-- ``max_stall_s``: per fault, the longest time between two commits of the survivors around it (target: at most
-  the configured timeout + 2 s), and ``max_stall_s_overall``;
-- ``rejoined_bit_identical``: every rejoined replica's weights equal its peers' after its first step;
-- ``val_loss_gap_pct``: final validation loss against a run without faults on the same tokens (one process replays
-  exactly the batches the faulty run committed, step by step); ``val_loss_gap_pct_vs_all_replicas`` against a run
-  of the same steps where all 3 replicas take part in every step (more tokens: the missing nodes' batches);
-- ``pickle_free_transport``, ``git_revision``, ``timeout_s``, ``steps``, ``faults``.
+Alongside, from the same moment, ONE node trains alone (its own lighthouse with ``--min_replicas 1``, the whole
+training set, otherwise the same settings) and is stopped at the same moment: ``val_loss_vs_one_node_pct`` compares
+the final validation losses (same 40 validation batches; negative: the extra nodes helped). The two runs share the
+machine's cores, so each process gets about the same CPU share.
 
-    python recipes/spot_recipe.py                      # ~2-4 minutes on 2 CPU cores
+    python recipes/spot_recipe.py                    # about 12 minutes on 2 shared CPU cores
+    python recipes/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,242 +36,324 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import spot_report as report  # noqa: E402 - the recipe's own planning and reporting
+
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "recipes" / "spot_worker.py"
-NODES = 3
+WORKER = REPO / "recipes" / "spot_trainer_worker.py"
+NODES, MIN_REPLICAS = 3, 2
+LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500")  # docs/spot.md's command
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
     with socket.socket() as sock:
-        sock.bind(("", 0))
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _records(out: Path, node: int) -> list[dict]:
-    path = out / f"replica_{node}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+class Cluster:
+    """A lighthouse and its nodes (worker processes), with their logs under ``out``."""
 
-
-def _steps(out: Path, node: int) -> list[dict]:
-    return [r for r in _records(out, node) if not r.get("final")]
-
-
-def _wait(condition, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-class Run:
-    """One run's worker processes."""
-
-    def __init__(self, lighthouse: str, out: Path, timeout_s: float) -> None:
-        self.lighthouse, self.out, self.timeout_s = lighthouse, out, timeout_s
+    def __init__(self, out: Path, min_replicas: int, worker_args: list[str]) -> None:
+        self.out, self.min_replicas, self.worker_args = out, min_replicas, worker_args
+        self.port = free_port()
+        self.lighthouse: subprocess.Popen | None = None
         self.procs: dict[int, subprocess.Popen] = {}
+        self.starts: dict[int, int] = {}
         out.mkdir(parents=True, exist_ok=True)
 
-    def start(self, node: int) -> None:
-        log = (self.out / f"worker_{node}_{time.monotonic_ns()}.log").open("w")
-        command = [sys.executable, str(WORKER), "--lighthouse", self.lighthouse, "--replica-id", str(node)]
-        command += ["--out", str(self.out), "--timeout", str(self.timeout_s), "--forbid-pickle"]
-        env = {**os.environ, "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
-        self.procs[node] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    def command(self) -> list[str]:
+        """The lighthouse command line."""
+        return [
+            "torchft_lighthouse",
+            "--min_replicas",
+            str(self.min_replicas),
+            "--bind",
+            f"[::]:{self.port}",
+            *LIGHTHOUSE_FLAGS,
+        ]
 
-    def committed(self, node: int, participants: int | None = None, after: float = 0.0) -> int:
-        return len(
-            [
-                r
-                for r in _steps(self.out, node)
-                if r["time"] > after and (participants is None or r["participants"] == participants)
-            ]
+    def start_lighthouse(self) -> None:
+        log = (self.out / "lighthouse.log").open("a")
+        env = {**os.environ, "RUST_LOG": "warn"}
+        self.lighthouse = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill_lighthouse(self) -> None:
+        assert self.lighthouse is not None
+        self.lighthouse.send_signal(signal.SIGKILL)
+        self.lighthouse.wait()
+
+    def start(self, node: int) -> None:
+        env = {
+            **os.environ,
+            "RUST_LOG": "warn",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each node is its own job.
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "REPLICA_GROUP_ID": str(node),
+        }
+        log = (self.out / f"worker_{node}_{time.monotonic_ns()}.log").open("w")
+        command = [sys.executable, str(WORKER), "--lighthouse", f"http://localhost:{self.port}", "--out", str(self.out)]
+        command += ["--min-replicas", str(self.min_replicas), *self.worker_args]
+        self.procs[node] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.starts[node] = self.starts.get(node, 0) + 1
+
+    def signal(self, node: int, sig: signal.Signals) -> None:
+        self.procs[node].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[node].wait()
+
+    def records(self) -> dict[int, list[dict]]:
+        return {node: report.read_records(self.out, node) for node in self.procs}
+
+    def committed(self, node: int, after: float = 0.0, participants: int | None = None) -> int:
+        return sum(
+            1
+            for r in report.steps(report.read_records(self.out, node))
+            if r["time"] > after and (participants is None or r["participants"] == participants)
         )
 
-    def stop_at(self, step: int) -> None:
-        (self.out / "stop").write_text(str(step))
-        for node, proc in self.procs.items():
-            if proc.wait(timeout=300) != 0:
-                raise RuntimeError(f"worker {node} exited with {proc.returncode}; see {self.out}")
+    def last_step(self) -> int:
+        return max((r["step"] for rs in self.records().values() for r in report.steps(rs)), default=0)
 
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+    def stop(self, step: int, timeout: float = 300, grace: float = 60) -> list[int]:
+        """Every node's ``max_steps`` becomes ``step``; wait for them to exit cleanly. Returns the nodes stranded one
+        step short: left out of the last quorum, such a node waits for peers that already stopped; it is killed
+        ``grace`` seconds after the last clean exit."""
+        (self.out / "stop").write_text(str(step))
+        deadline, last_exit = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            codes = {node: proc.poll() for node, proc in self.procs.items()}
+            for node, code in codes.items():
+                if code not in (None, 0):
+                    raise RuntimeError(f"node {node} exited with {code}; see {self.out}")
+            running = [node for node, code in codes.items() if code is None]
+            if not running:
+                return []
+            if len(running) < len(codes):
+                last_exit = last_exit or time.monotonic()
+                if time.monotonic() - last_exit > grace:
+                    for node in running:
+                        self.signal(node, signal.SIGKILL)
+                    return running
+            time.sleep(0.5)
+        raise TimeoutError(f"the nodes did not stop at step {step}; see {self.out}")
+
+    def shutdown(self) -> None:
+        for proc in [*self.procs.values(), self.lighthouse]:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
                 proc.kill()
                 proc.wait()
 
 
-def _check_rejoin(run: Run, node: int, after: float) -> dict:
-    """The node's first commit after ``after`` and whether its weights equal every peer's at that step."""
-    _wait(lambda: run.committed(node, after=after) > 0, f"node {node} to commit after rejoining")
-    first = next(r for r in _steps(run.out, node) if r["time"] > after)
-    peers = [n for n in range(NODES) if n != node]
-    _wait(lambda: all(any(r["step"] == first["step"] for r in _steps(run.out, p)) for p in peers), "peers")
-    same = all(
-        next(r for r in _steps(run.out, p) if r["step"] == first["step"])["digest"] == first["digest"] for p in peers
-    )
-    return {
-        "node": node,
-        "rejoined_at_step": first["step"],
-        "participants": first["participants"],
-        "bit_identical": same,
-    }
+def wait(condition: Any, what: str, cluster: Cluster, timeout: float = 400.0) -> None:
+    """Poll ``condition``; raise if a node not being faulted exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        for node, proc in cluster.procs.items():
+            if proc.poll() not in (None, -signal.SIGKILL):
+                raise RuntimeError(f"node {node} exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _stall(run: Run, survivors: list[int], start: float, end: float) -> float:
-    """Longest gap between consecutive commits of any survivor within ``[start, end]`` (incl. the edges)."""
-    worst = 0.0
-    for node in survivors:
-        times = [start] + [r["time"] for r in _steps(run.out, node) if start < r["time"] < end] + [end]
-        worst = max(worst, max(b - a for a, b in zip(times, times[1:], strict=False)))
-    return worst
+def wait_for_rejoin(cluster: Cluster, node: int, back_at: float) -> dict[str, Any]:
+    """The node's first commit after ``back_at``, compared with its peers' (recipes/spot_report.py ``rejoin``)."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        found = report.rejoin(cluster.records(), node, back_at)
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for node {node}'s rejoin; see {cluster.out}")
 
 
-def faulty_run(lighthouse: str, out: Path, timeout_s: float) -> dict:
-    run = Run(lighthouse, out, timeout_s)
-    faults, pids_expected = [], {n: 1 for n in range(NODES)}
-    try:
-        for node in range(NODES):
-            run.start(node)
-        _wait(lambda: all(run.committed(n, 3) >= 10 for n in range(NODES)), "3 nodes to commit 10 steps together")
-        for victim, how in ((2, "SIGKILL"), (1, "SIGKILL"), (2, "SIGKILL"), (1, "SIGSTOP")):
-            survivors = [n for n in range(NODES) if n != victim]
-            fault_at = time.time()
-            if how == "SIGKILL":
-                run.procs[victim].send_signal(signal.SIGKILL)
-                run.procs[victim].wait()
-            else:
-                run.procs[victim].send_signal(signal.SIGSTOP)
-            _wait(
-                lambda s=survivors, t=fault_at: all(run.committed(n, 2, after=t) >= 5 for n in s),
-                f"survivors to commit 5 steps without node {victim}",
+def run_fault(cluster: Cluster, fault: report.Fault, nodes: int) -> dict[str, Any]:
+    """Apply one fault, bring the victims back, and measure the stall and the rejoins."""
+    survivors = [n for n in range(nodes) if n not in fault.nodes]
+    fault_at = time.time()
+    if fault.kind == "lighthouse":
+        cluster.kill_lighthouse()
+        time.sleep(fault.hold_s)
+        cluster.start_lighthouse()
+    else:
+        for node in fault.nodes:
+            cluster.signal(node, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        if len(survivors) >= cluster.min_replicas:
+            wait(
+                lambda: all(cluster.committed(n, fault_at, len(survivors)) >= 3 for n in survivors),
+                f"survivors {survivors} to commit 3 steps",
+                cluster,
             )
-            back_at = time.time()
-            if how == "SIGKILL":
-                run.start(victim)
-                pids_expected[victim] += 1
+        time.sleep(max(0.0, fault_at + fault.hold_s - time.time()))
+        for node in fault.nodes:
+            if fault.kind == "kill":
+                cluster.start(node)
             else:
-                run.procs[victim].send_signal(signal.SIGCONT)
-            rejoin = _check_rejoin(run, victim, back_at)
-            _wait(lambda t=back_at: all(run.committed(n, 3, after=t) >= 3 for n in range(NODES)), "3 nodes again")
-            stall = _stall(run, survivors, fault_at, back_at)
-            faults.append({"victim": victim, "signal": how, "stall_s": round(stall, 3), **rejoin})
-            print(f"fault {len(faults)}: {how} node {victim}: stall {stall:.2f} s, rejoin {rejoin}", flush=True)
-        last = max(r["step"] for n in range(NODES) for r in _steps(out, n))
-        run.stop_at(last + 10)
-    finally:
-        run.kill_all()
-    finals = [next(r for r in _records(out, n) if r.get("final")) for n in range(NODES)]
-    committed = {r["step"] for n in range(NODES) for r in _steps(out, n)}
-    restarts = sum(len({r["pid"] for r in _steps(out, n)}) - pids_expected[n] for n in range(NODES))
-    return {
-        "faults": faults,
-        "final_step": finals[0]["step"],
-        "final_val_loss": finals[0]["val_loss"],
-        "final_identical": len({f["digest"] for f in finals}) == 1,
-        "survivor_restarts": restarts,
-        "survivor_steps_lost": len(set(range(1, max(committed) + 1)) - committed),
+                cluster.signal(node, signal.SIGCONT)
+    back_at = time.time()
+    wait(
+        lambda: all(cluster.committed(n, back_at, nodes) >= 3 for n in range(nodes)),
+        "all nodes together again",
+        cluster,
+    )
+    rejoins = [wait_for_rejoin(cluster, node, back_at) for node in fault.nodes]
+    # To a moment when all commit again: the gap ends at the survivors' first commit after the fault.
+    gap = report.longest_gap(cluster.records(), survivors, fault_at, time.time()) if survivors else 0.0
+    result = {
+        "kind": fault.kind,
+        "victims": list(fault.nodes),
+        "held_s": round(back_at - fault_at, 1),
+        "stall_s": round(gap, 3),
+        "rejoins": rejoins,
     }
+    print(json.dumps(result), flush=True)
+    return result
 
 
-def same_tokens_reference(out: Path) -> tuple[float, int, int]:
-    """A one-process run without faults on exactly the batches the faulty run committed: its validation loss, and
-    at how many of the committed steps its weights equal the faulty run's bit for bit (of how many)."""
-    sys.path.insert(0, str(WORKER.parent))
-    import spot_worker
-
-    committed: dict[int, list[dict]] = {}
-    for node in range(NODES):
-        for record in _steps(out, node):
-            committed.setdefault(record["step"], []).append({**record, "node": node})
-    schedule = []
-    for step, records in sorted(committed.items()):
-        nodes = sorted(r["node"] for r in records)
-        if max(r["participants"] for r in records) == NODES:  # a node killed right after the exchange left no record
-            nodes = list(range(NODES))
-        schedule.append((step, nodes))
-    equal = []
-
-    def compare(step: int, model: Any) -> None:
-        equal.append(spot_worker.digest(model) in {r["digest"] for r in committed[step]})
-
-    model = spot_worker.replay(schedule, on_step=compare)
-    return spot_worker.validation_loss(model), sum(equal), len(equal)
-
-
-def reference_run(lighthouse: str, out: Path, timeout_s: float, steps: int) -> float:
-    run = Run(lighthouse, out, timeout_s)
-    try:
-        (out / "stop").write_text(str(steps))
-        for node in range(NODES):
-            run.start(node)
-        run.stop_at(steps)
-    finally:
-        run.kill_all()
-    return next(r for r in _records(out, 0) if r.get("final"))["val_loss"]
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "spot.json")
-    parser.add_argument("--timeout", type=float, default=5.0, help="collective timeout of the replicas (s)")
-    parser.add_argument("--work", type=Path, default=None, help="keep the workers' logs here (default: a temp dir)")
-    args = parser.parse_args()
-    port = _free_port()
-    lighthouse_command = ["torchft_lighthouse", "--min_replicas", "2", "--bind", f"[::]:{port}"]
-    lighthouse_command += ["--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500", "--quorum_tick_ms", "100"]
-    lighthouse = subprocess.Popen(lighthouse_command, env={**os.environ, "RUST_LOG": "warn"})
-    address = f"http://localhost:{port}"
-    started = time.time()
+    parser.add_argument("--timeout", type=float, default=10.0, help="FaultToleranceSettings.timeout_s")
+    parser.add_argument("--quorum-timeout", type=float, default=30.0, help="... .quorum_timeout_s")
+    parser.add_argument("--freeze", type=float, default=45.0, help="SIGSTOP lasts this long (> --quorum-timeout)")
+    parser.add_argument("--outage", type=float, default=10.0, help="seconds the lighthouse stays down")
+    parser.add_argument("--below-min", type=float, default=160.0, help="seconds below min_replicas")
+    parser.add_argument("--warmup", type=float, default=60.0, help="seconds of training before the first fault")
+    parser.add_argument("--tail", type=float, default=180.0, help="seconds of training after the last fault")
+    parser.add_argument("--smoke", action="store_true", help="a tiny schedule (seconds, not minutes)")
+    parser.add_argument("--work", type=Path, default=None, help="keep the logs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.timeout, args.quorum_timeout, args.freeze, args.outage = 3.0, 5.0, 7.0, 3.0
+        args.below_min, args.warmup, args.tail = 12.0, 5.0, 5.0
+    schedule = report.plan(
+        NODES,
+        MIN_REPLICAS,
+        freeze_s=args.freeze,
+        outage_s=args.outage,
+        below_min_s=args.below_min,
+        quorum_timeout_s=args.quorum_timeout,
+    )
+    os.environ["LIGHTNING_HETERO_FT_SECRET"] = secrets.token_hex(32)  # the cluster secret, shared by every node
+    from lightning_hetero.data.shakespeare import ShakespeareDataModule
+
+    ShakespeareDataModule(seq_len=64, batch_size=8, seed=42).prepare_data()  # once, before any node reads the cache
+    common = [
+        *("--corpus", "shakespeare", "--kept-fraction", "0.03125", "--chunk", "64", "--values", "bf16"),
+        "--timeout",
+        str(args.timeout),
+        "--quorum-timeout",
+        str(args.quorum_timeout),
+        "--val-batches",
+        "40",
+        "--require-secret",
+        "--forbid-pickle",
+    ]
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
-    try:
-        with TemporaryDirectory() as tmp:
-            work = args.work or Path(tmp)
-            faulty = faulty_run(address, work / "faulty", args.timeout)
-            same_tokens, replay_equal, replay_steps = same_tokens_reference(work / "faulty")
-            reference = reference_run(address, work / "reference", args.timeout, faulty["final_step"])
-    finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=30)
-    stalls = [f["stall_s"] for f in faulty["faults"]]
-    result = {
-        "engine": "torchft",
-        "nodes": NODES,
-        "kills": sum(f["signal"] == "SIGKILL" for f in faulty["faults"]),
-        "sigstops": sum(f["signal"] == "SIGSTOP" for f in faulty["faults"]),
-        "rejoins": len(faulty["faults"]),
-        "survivor_restarts": faulty["survivor_restarts"],
-        "survivor_steps_lost": faulty["survivor_steps_lost"],
-        "max_stall_s": stalls,
-        "max_stall_s_overall": max(stalls),
-        "stall_target_s": args.timeout + 2,
-        "rejoined_bit_identical": all(f["bit_identical"] for f in faulty["faults"]),
-        "final_replicas_identical": faulty["final_identical"],
-        "val_loss": faulty["final_val_loss"],
-        "val_loss_same_tokens": same_tokens,
-        "val_loss_gap_pct": round(100 * (faulty["final_val_loss"] - same_tokens) / same_tokens, 3),
-        "val_loss_all_replicas_every_step": reference,
-        "val_loss_gap_pct_vs_all_replicas": round(100 * (faulty["final_val_loss"] - reference) / reference, 3),
-        "same_tokens_replay_bit_identical_steps": f"{replay_equal}/{replay_steps}",
-        "pickle_free_transport": True,  # every worker ran with --forbid-pickle and every rejoin healed
-        "timeout_s": args.timeout,
-        "steps": faulty["final_step"],
-        "faults": faulty["faults"],
-        "wall_s": round(time.time() - started, 1),
-        "git_revision": revision.stdout.strip(),
-        "machine": f"localhost, {os.cpu_count()} CPU cores, gloo",
-    }
+    started = time.time()
+    with TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        spot = Cluster(work / "spot", MIN_REPLICAS, [*common, "--shard-groups", str(NODES)])
+        alone = Cluster(work / "alone", 1, [*common, "--shard-groups", "1"])
+        faults = []
+        try:
+            for cluster, count in ((spot, NODES), (alone, 1)):
+                cluster.start_lighthouse()
+                for node in range(count):
+                    cluster.start(node)
+            wait(lambda: all(spot.committed(n, participants=NODES) >= 5 for n in range(NODES)), "3 nodes", spot)
+            time.sleep(args.warmup)
+            for fault in schedule:
+                faults.append(run_fault(spot, fault, NODES))
+            time.sleep(args.tail)
+            stop_spot, stop_alone = spot.last_step() + 3, alone.last_step() + 3
+            (alone.out / "stop").write_text(str(stop_alone))  # both stop at the same moment
+            stranded = spot.stop(stop_spot)
+            alone.stop(stop_alone)
+        finally:
+            spot.shutdown()
+            alone.shutdown()
+        wall = time.time() - started
+        result = summarize(spot, alone, faults, args, wall, stranded)
+        result["lighthouse_command"] = " ".join(spot.command()).replace(str(spot.port), "PORT")
+        result["worker_command"] = (
+            "REPLICA_GROUP_ID=<node> LIGHTNING_HETERO_FT_SECRET=<secret> python "
+            f"recipes/spot_trainer_worker.py --lighthouse http://localhost:PORT "
+            f"--out DIR --min-replicas {MIN_REPLICAS} " + " ".join([*common, "--shard-groups", str(NODES)])
+        )
+        shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in (str(args.work), "--work")]
+        result["command"] = " ".join(["python recipes/spot_recipe.py", *shown])  # --work only keeps the logs
+        result["git_revision"] = revision.stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def summarize(
+    spot: Cluster, alone: Cluster, faults: list[dict], args: argparse.Namespace, wall: float, stranded: list[int]
+) -> dict:
+    """The JSON fields, from the two runs' records."""
+    records = spot.records()
+    finals = [next(r for r in records[n] if r.get("final")) for n in range(NODES) if n not in stranded]
+    lone = next(r for r in alone.records()[0] if r.get("final"))
+    rejoins = [j for f in faults for j in f["rejoins"]]
+    below = next(f for f in faults if f["kind"] == "kill" and len(f["victims"]) > 1)
+    waits = sum(log.read_text().count("waiting for replicas") for log in spot.out.glob("worker_0_*.log"))
+    stalls = [f["stall_s"] for f in faults]
+    return {
+        "engine": "torchft",
+        "lightning": True,
+        "strategy": "FlexDeMoStrategy (demo, kept_fraction 1/32, chunk 64, bf16), llama-tiny, ShakespeareDataModule",
+        "nodes": NODES,
+        "ranks_per_node": 1,
+        "min_replicas": MIN_REPLICAS,
+        "kills": sum(len(f["victims"]) for f in faults if f["kind"] == "kill"),
+        "sigstops": sum(len(f["victims"]) for f in faults if f["kind"] == "stop"),
+        "lighthouse_restarts": sum(f["kind"] == "lighthouse" for f in faults),
+        "rejoins": len(rejoins),
+        "below_min_wait_s": below["stall_s"],
+        "below_min_waiting_log_lines": waits,
+        "survivor_restarts": report.survivor_restarts(records, spot.starts),
+        "survivor_steps_lost": report.steps_lost(records),
+        "max_stall_s": stalls,
+        "max_stall_s_overall": max(stalls),
+        "stall_target_s": args.timeout + 2,  # for a kill or a freeze; the lighthouse and below-min waits are longer
+        "kill_and_freeze_stalls_within_target": all(
+            f["stall_s"] <= args.timeout + 2 for f in faults if f["kind"] in ("kill", "stop") and len(f["victims"]) == 1
+        ),
+        "rejoined_bit_identical": all(j["bit_identical"] for j in rejoins),
+        "rejoined_global_step_is_committed_step": all(j["global_step"] == j["rejoined_at_step"] for j in rejoins),
+        "final_replicas_identical": len({f["digest"] for f in finals}) == 1,
+        "stranded_at_stop": stranded,
+        **report.batch_checks(records),
+        "val_loss": finals[0]["val_loss"],
+        "val_loss_one_node": lone["val_loss"],
+        "val_loss_vs_one_node_pct": report.pct(finals[0]["val_loss"], lone["val_loss"]),
+        "steps": finals[0]["global_step"],
+        "steps_one_node": lone["global_step"],
+        **report.link_ratio(records, NODES),
+        "link": "loopback (localhost gloo, no bandwidth limit): R = median exchange s / median rest of a step",
+        "timeout_s": args.timeout,
+        "quorum_timeout_s": args.quorum_timeout,
+        "cluster_secret": True,
+        "pickle_free_transport": True,  # every worker ran with --forbid-pickle and every rejoin healed
+        "faults": faults,
+        "wall_s": round(wall, 1),
+        "machine": f"localhost, {os.cpu_count()} CPU cores shared with other jobs (timings noisy), gloo",
+    }
 
 
 if __name__ == "__main__":

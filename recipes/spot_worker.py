@@ -1,4 +1,4 @@
-"""One replica group (one process) of the spot-worker runs: tests/dist/test_ft_spot.py and recipes/spot_recipe.py.
+"""One replica group (one process) of the spot-worker runs: tests/dist/test_ft_spot.py and spot_lighthouse_restart.py.
 
 Trains a small regression MLP through :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica` on a torchft
 lighthouse and appends one JSON line per committed step to ``<out>/replica_<id>.jsonl``: the step, the participants,
