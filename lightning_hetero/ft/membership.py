@@ -132,10 +132,12 @@ class ClusterSecret:
         """Whether ``token`` authenticates a request for ``step`` with ``nonce``."""
         return hmac.compare_digest(self.request_token(cluster, step, nonce), token)
 
-    def blob_tagger(self, cluster: str, step: int, quorum: int, blob: bytes) -> hmac.HMAC:
+    def blob_tagger(self, cluster: str, step: int, blob: bytes) -> hmac.HMAC:
         """An HMAC over everything of a served blob but the nonce: copy it and add the nonce per request (the blob is
-        hashed once however many peers ask)."""
-        return self._mac(_BLOB, _fields(cluster, step), struct.pack("<q", quorum), blob)
+        hashed once however many peers ask). No quorum id: the request's fresh nonce already makes every answer
+        unique, and source and joiner may read different quorum ids while a quorum re-forms (an honest heal was
+        refused that way in the spot recipe)."""
+        return self._mac(_BLOB, _fields(cluster, step), blob)
 
     @staticmethod
     def finish_blob_tag(tagger: hmac.HMAC, nonce: str) -> str:

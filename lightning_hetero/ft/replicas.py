@@ -155,7 +155,6 @@ class FaultTolerantReplica:
             secret=self.secret,
             cluster=settings.cluster_id,
             bind=settings.recovery_bind,
-            quorum=lambda: int(getattr(self.manager, "_quorum_id", -1)),
             validate=self._validate_recovered,
         )
         kind = torch.device(device).type

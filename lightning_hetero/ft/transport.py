@@ -12,7 +12,7 @@ Membership (:mod:`lightning_hetero.ft.membership`): a request carries a fresh no
 secret (headers ``X-LH-Nonce``, ``X-LH-Token``); the server answers only such a request, once per nonce, and gives
 everything else (no token, a wrong one, a replayed nonce, another path, a step it does not serve) the same empty
 404, so a stranger learns nothing, not even the step served. The blob comes back with an HMAC over the cluster id,
-the step, the quorum id, the request's nonce and the blob (``X-LH-Tag``); the joiner verifies it before decoding, so
+the step, the request's nonce and the blob (``X-LH-Tag``); the joiner verifies it before decoding, so
 a forged heal from a stranger, or a blob altered on the wire, is refused (:class:`UnauthenticatedPeerError`). Such a
 refusal is not kept in :attr:`SafeCheckpointTransport.last_error`: the Manager discards the step, the joiner keeps its
 own state and the next quorum tries again (torchft, not us, picks the source replica: a retry gets another source
@@ -70,7 +70,6 @@ class SafeCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         secret: The cluster secret (default: an open run's public key).
         cluster: The cluster id bound into every tag.
         bind: Address the server binds (empty: every interface).
-        quorum: Returns the current quorum id (bound into a blob's tag; default: always 0).
         validate: Called with ``(state, peer, step)`` on a decoded state before it is returned (the joiner's semantic
             checks, :func:`lightning_hetero.ft.checks.validate_recovered`); raises to refuse it.
     """
@@ -85,13 +84,11 @@ class SafeCheckpointTransport(CheckpointTransport[dict[str, Any]]):
         secret: ClusterSecret | None = None,
         cluster: str = "",
         bind: str = "",
-        quorum: Callable[[], int] | None = None,
         validate: Callable[[Any, int, int], None] | None = None,
     ) -> None:
         self._layout = layout
         self._secret = secret if secret is not None else ClusterSecret(OPEN_KEY, "open")
         self._cluster = cluster
-        self._quorum = quorum or (lambda: 0)
         self._validate = validate
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.refused_requests = 0
@@ -182,7 +179,7 @@ class SafeCheckpointTransport(CheckpointTransport[dict[str, Any]]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta) -> None:
         """Encode ``state_dict`` now (a snapshot) and serve it for ``step`` until the next send or shutdown."""
         blob = encode_state(state_dict, step)
-        tagger = self._secret.blob_tagger(self._cluster, step, self._quorum(), blob)
+        tagger = self._secret.blob_tagger(self._cluster, step, blob)
         with self._ready:
             self._served = (step, blob, tagger)
             self._ready.notify_all()
@@ -257,9 +254,7 @@ class SafeCheckpointTransport(CheckpointTransport[dict[str, Any]]):
             UnauthenticatedPeerError: The tag is missing or wrong.
             PeerPayloadError: The blob breaks the codec's rule or the joiner's checks.
         """
-        expected = ClusterSecret.finish_blob_tag(
-            self._secret.blob_tagger(self._cluster, step, self._quorum(), blob), nonce
-        )
+        expected = ClusterSecret.finish_blob_tag(self._secret.blob_tagger(self._cluster, step, blob), nonce)
         if not (isinstance(tag, str) and hmac.compare_digest(tag, expected)):
             raise UnauthenticatedPeerError(
                 f"recovery checkpoint from replica {src_rank} is not authenticated (no or a wrong tag): sent by a"

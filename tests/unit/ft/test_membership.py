@@ -95,9 +95,13 @@ def test_request_and_blob_tags_are_bound_to_step_nonce_and_quorum():
     assert secret.request_ok("c", 5, "n1", token)
     assert not secret.request_ok("c", 6, "n1", token) and not secret.request_ok("c", 5, "n2", token)
     assert not other.request_ok("c", 5, "n1", token)
-    tagger = secret.blob_tagger("c", 5, 2, b"blob")
+    tagger = secret.blob_tagger("c", 5, b"blob")
     tag = ClusterSecret.finish_blob_tag(tagger, "n1")
-    assert tag == ClusterSecret.finish_blob_tag(secret.blob_tagger("c", 5, 2, b"blob"), "n1")  # copy leaves it intact
+    assert tag == ClusterSecret.finish_blob_tag(secret.blob_tagger("c", 5, b"blob"), "n1")  # copy leaves it intact
     assert ClusterSecret.finish_blob_tag(tagger, "n2") != tag
-    for changed in (secret.blob_tagger("c", 5, 3, b"blob"), secret.blob_tagger("c", 5, 2, b"blob!")):
+    for changed in (
+        secret.blob_tagger("c", 6, b"blob"),
+        secret.blob_tagger("d", 5, b"blob"),
+        secret.blob_tagger("c", 5, b"blob!"),
+    ):
         assert ClusterSecret.finish_blob_tag(changed, "n1") != tag
