@@ -34,7 +34,7 @@ from lightning_hetero.ft.replicas import FaultTolerantReplica
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.ft.transport import SafeCheckpointTransport
 
-FEATURES, HIDDEN = 8, 16  # the honest workers' model (recipes/spot_worker.py): the same slot size
+FEATURES, HIDDEN = 8, 16  # the honest workers' model (recipes/spot/spot_worker.py): the same slot size
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

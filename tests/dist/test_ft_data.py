@@ -1,5 +1,5 @@
 """Per-node shards and the data position after an in-place heal, in Lightning Trainers as separate processes: a
-lighthouse and 3 one-rank replica groups (recipes/spot_trainer_worker.py ``--shard-groups 3``: ONE stream for all
+lighthouse and 3 one-rank replica groups (recipes/spot/spot_trainer_worker.py ``--shard-groups 3``: ONE stream for all
 nodes, each reading its shard through ``FaultToleranceSettings.num_replica_groups``).
 
 Node 2 is frozen (SIGSTOP) past the collective timeout while the others go on, then resumed (SIGCONT): its try fails,

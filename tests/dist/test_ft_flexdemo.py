@@ -1,5 +1,5 @@
 """FlexDeMo's fault-tolerant mode in the Lightning Trainer, as separate processes: a lighthouse (started here) and 3
-replica groups of one rank each (recipes/spot_trainer_worker.py: ``Trainer(strategy=FlexDeMoStrategy(settings=
+replica groups of one rank each (recipes/spot/spot_trainer_worker.py: ``Trainer(strategy=FlexDeMoStrategy(settings=
 FlexDeMoSettings(fault_tolerance=...)))``, DeMo replication, gloo on CPU), each started like a one-rank torchrun job
 of its own (``RANK=0``, ``WORLD_SIZE=1``, its own ``MASTER_PORT``, ``REPLICA_GROUP_ID``).
 
@@ -29,7 +29,7 @@ pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot_trainer_worker.py"
+WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
 
 
 def _records(out: Path, replica: int) -> list[dict]:

@@ -1,5 +1,6 @@
 """The lighthouse is killed and restarted on the same address 10 s later, under 2 live replica groups
-(recipes/spot_lighthouse_restart.py: ``torchft_lighthouse`` and recipes/spot_worker.py processes, gloo on CPU).
+(recipes/spot/spot_lighthouse_restart.py: ``torchft_lighthouse`` and recipes/spot/spot_worker.py processes, gloo on
+CPU).
 
 The replicas wait (quorum attempts of 5 s fail and are asked again, ``FaultToleranceSettings.wait_for_replicas_s``),
 find the restarted lighthouse, and train on: no process restarted, no committed step lost, both identical at the end.
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_lighthouse_restarted_on_the_same_address_loses_nothing(tmp_path):
-    command = [sys.executable, str(REPO / "recipes" / "spot_lighthouse_restart.py"), "--outage", "10"]
+    command = [sys.executable, str(REPO / "recipes" / "spot" / "spot_lighthouse_restart.py"), "--outage", "10"]
     command += ["--quorum-timeout", "5", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=380)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

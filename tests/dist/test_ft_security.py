@@ -1,6 +1,6 @@
 """A rogue process against a live spot run: a lighthouse (started here), 2 honest replica groups
-(recipes/spot_worker.py, sharing a cluster secret) and, one after the other, rogues (tests/dist/ft_rogue.py) that join
-the quorum as torchft lets any process do.
+(recipes/spot/spot_worker.py, sharing a cluster secret) and, one after the other, rogues (tests/dist/ft_rogue.py) that
+join the quorum as torchft lets any process do.
 
 Each attack is refused and the run goes on: the honest replicas never exit, never commit a step the rogue took part
 in (every committed step has 2 participants, or 3 once the bit-flipping member behaves), their committed steps go
@@ -29,7 +29,7 @@ from torchft.coordination import LighthouseServer  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot_worker.py"
+WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
 ROGUE = Path(__file__).resolve().parent / "ft_rogue.py"
 SECRET = secrets.token_hex(32)
 

@@ -1,5 +1,5 @@
 """Spot workers on torchft, as separate processes: a lighthouse (started here) and 3 replica groups of 1 process each
-(recipes/spot_worker.py, gloo on CPU).
+(recipes/spot/spot_worker.py, gloo on CPU).
 
 One replica is SIGKILLed mid-run: the survivors step on without a restart (same pid, the step counter keeps rising,
 participants drop to 2, no step is committed twice or skipped). It is restarted, rejoins, is healed through our
@@ -25,7 +25,7 @@ pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot_worker.py"
+WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
 
 
 def _records(out: Path, replica: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The spot recipe end to end on a tiny schedule (``python recipes/spot_recipe.py --smoke``): 3 Lightning FlexDeMo
+"""The spot recipe end to end on a tiny schedule (``python recipes/spot/spot_recipe.py --smoke``): 3 Lightning FlexDeMo
 Trainers (llama-tiny on ShakespeareDataModule, one shard each, cluster secret, no pickle) under docs/spot.md's
 lighthouse command; two kills, a freeze past the quorum timeout, a lighthouse restart, two nodes killed together
 below ``min_replicas``; and one node alone alongside. Checks the report's verdicts, not its timings.
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_the_smoke_schedule_survives_every_fault_with_nothing_lost(tmp_path):
     out = tmp_path / "spot.json"
-    command = [sys.executable, str(REPO / "recipes" / "spot_recipe.py"), "--smoke", "--out", str(out)]
+    command = [sys.executable, str(REPO / "recipes" / "spot" / "spot_recipe.py"), "--smoke", "--out", str(out)]
     done = subprocess.run(
         [*command, "--work", str(tmp_path / "work")], capture_output=True, text=True, cwd=REPO, timeout=880
     )

@@ -1,5 +1,5 @@
-"""The spot recipe's planning and reporting (recipes/spot_report.py) on hand-made worker records: the schedule holds
-every fault the recipe promises, and each reported number follows from the records (batches per node, batches
+"""The spot recipe's planning and reporting (recipes/spot/spot_report.py) on hand-made worker records: the schedule
+holds every fault the recipe promises, and each reported number follows from the records (batches per node, batches
 trained twice or skipped, steps lost, restarts, rejoins, R)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes" / "spot"))
 import spot_report as report  # noqa: E402 - a recipe module, not part of the package
 
 

@@ -6,7 +6,7 @@ alternation over the same quorum, the authenticated exchange that ``FaultToleran
 exchange it ran before (``manager.allreduce`` AVG, unchecked), and reports the medians, plus HMAC-SHA256 throughput.
 Prints one JSON document (``--out`` writes it too)::
 
-    python recipes/bench_ft_security.py [--sizes 161 262144 1048576] [--repeats 30]
+    python recipes/spot/bench_ft_security.py [--sizes 161 262144 1048576] [--repeats 30]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
             }
         )
     return {
-        "command": f"python recipes/bench_ft_security.py --sizes {' '.join(map(str, sizes))} --repeats {repeats}",
+        "command": f"python recipes/spot/bench_ft_security.py --sizes {' '.join(map(str, sizes))} --repeats {repeats}",
         "replicas": 2,
         "hmac_sha256_mb_per_s": round(hmac_throughput(), 1),
         "exchange": rows,

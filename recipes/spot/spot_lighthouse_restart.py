@@ -1,7 +1,7 @@
 """The lighthouse dies and comes back on the same address: do the replica groups survive, and what does it cost?
 
-Starts ``torchft_lighthouse`` on a fixed port, 2 replica groups (``recipes/spot_worker.py``, gloo), waits until they
-commit steps together, kills the lighthouse (SIGKILL), waits ``--outage`` seconds, starts it again on the same
+Starts ``torchft_lighthouse`` on a fixed port, 2 replica groups (``recipes/spot/spot_worker.py``, gloo), waits until
+they commit steps together, kills the lighthouse (SIGKILL), waits ``--outage`` seconds, starts it again on the same
 address and waits for the replicas to commit again. Prints one JSON line:
 
 - ``outage_s``: how long the lighthouse was down; ``stall_s``: the longest gap between two commits of a replica around
@@ -10,7 +10,7 @@ address and waits for the replicas to commit again. Prints one JSON line:
   restart; ``identical_at_end``: both replicas' weights equal at the end; ``quorum_retries`` / ``quorum_timeout_s``:
   the settings used (``quorum_retries`` None: the setting's default).
 
-    python recipes/spot_lighthouse_restart.py --outage 60          # about outage + 30 s on 2 CPU cores
+    python recipes/spot/spot_lighthouse_restart.py --outage 60          # about outage + 30 s on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "recipes" / "spot_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
 LIGHTHOUSE_FLAGS = ("--min_replicas", "2", "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500")
 """The flags of docs/spot.md's production lighthouse (the spot recipe's tuned timeouts)."""
 

@@ -1,14 +1,14 @@
 """Spot recipe through Lightning: FlexDeMo Trainers on torchft, with kills, a freeze, a lighthouse restart and a
 period below ``min_replicas``; writes ``docs/results/spot.json``.
 
-Each node is one process of ``recipes/spot_trainer_worker.py`` (``Trainer(strategy=FlexDeMoStrategy(settings=
+Each node is one process of ``recipes/spot/spot_trainer_worker.py`` (``Trainer(strategy=FlexDeMoStrategy(settings=
 FlexDeMoSettings(fault_tolerance=...)))``, one rank, gloo, its own torchrun-style environment and
 ``REPLICA_GROUP_ID``), training llama-tiny on ``ShakespeareDataModule`` with ``num_replica_groups`` = the node count
 (each node its own shard of one training set), every worker with the cluster secret (``LIGHTNING_HETERO_FT_SECRET``,
 ``require_secret``) and ``--forbid-pickle``. The lighthouse is docs/spot.md's command (``torchft_lighthouse
 --min_replicas 2 --bind [::]:PORT --join_timeout_ms 500 --heartbeat_timeout_ms 1500``). The schedule
-(recipes/spot_report.py ``plan``): SIGKILL node 2 and restart it, SIGKILL node 1 and restart it, SIGSTOP node 1 past
-the quorum timeout then SIGCONT, SIGKILL the lighthouse and restart it on the same address, SIGKILL nodes 1 and 2
+(recipes/spot/spot_report.py ``plan``): SIGKILL node 2 and restart it, SIGKILL node 1 and restart it, SIGSTOP node 1
+past the quorum timeout then SIGCONT, SIGKILL the lighthouse and restart it on the same address, SIGKILL nodes 1 and 2
 together and restart them ``--below-min`` seconds later (node 0 alone is below ``min_replicas`` and waits). Then the
 run trains ``--tail`` more seconds and stops at one committed step.
 
@@ -17,8 +17,8 @@ training set, otherwise the same settings) and is stopped at the same moment: ``
 the final validation losses (same 40 validation batches; negative: the extra nodes helped). The two runs share the
 machine's cores, so each process gets about the same CPU share.
 
-    python recipes/spot_recipe.py                    # about 12 minutes on 2 shared CPU cores
-    python recipes/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
+    python recipes/spot/spot_recipe.py                    # about 12 minutes on 2 shared CPU cores
+    python recipes/spot/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spot_report as report  # noqa: E402 - the recipe's own planning and reporting
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "recipes" / "spot_trainer_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
 NODES, MIN_REPLICAS = 3, 2
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500")  # docs/spot.md's command
 
@@ -169,7 +169,7 @@ def wait(condition: Any, what: str, cluster: Cluster, timeout: float = 400.0) ->
 
 
 def wait_for_rejoin(cluster: Cluster, node: int, back_at: float) -> dict[str, Any]:
-    """The node's first commit after ``back_at``, compared with its peers' (recipes/spot_report.py ``rejoin``)."""
+    """The node's first commit after ``back_at``, compared with its peers' (recipes/spot/spot_report.py ``rejoin``)."""
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         found = report.rejoin(cluster.records(), node, back_at)
@@ -290,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         result["lighthouse_command"] = " ".join(spot.command()).replace(str(spot.port), "PORT")
         result["worker_command"] = (
             "REPLICA_GROUP_ID=<node> LIGHTNING_HETERO_FT_SECRET=<secret> python "
-            f"recipes/spot_trainer_worker.py --lighthouse http://localhost:PORT "
+            f"recipes/spot/spot_trainer_worker.py --lighthouse http://localhost:PORT "
             f"--out DIR --min-replicas {MIN_REPLICAS} " + " ".join([*common, "--shard-groups", str(NODES)])
         )
         shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in (str(args.work), "--work")]
-        result["command"] = " ".join(["python recipes/spot_recipe.py", *shown])  # --work only keeps the logs
+        result["command"] = " ".join(["python recipes/spot/spot_recipe.py", *shown])  # --work only keeps the logs
         result["git_revision"] = revision.stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -6,7 +6,7 @@ this process's pid, the time, the training loss and a SHA-256 of the weights aft
 It stops once ``<out>/stop`` holds a step number and that step is committed. A refused recovery checkpoint ends the
 process with exit code 3 and the message in ``<out>/replica_<id>.error``.
 
-    python recipes/spot_worker.py --lighthouse http://localhost:29510 --replica-id 0 --out /tmp/spot
+    python recipes/spot/spot_worker.py --lighthouse http://localhost:29510 --replica-id 0 --out /tmp/spot
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Planning and reporting of the spot recipe (recipes/spot_recipe.py): the fault schedule, and what the workers' logs
-say about it. No processes here: these functions read the ``replica_<node>.jsonl`` records that
-``recipes/spot_trainer_worker.py`` writes (one line per committed step, a ``final`` line at the end), so they are
+"""Planning and reporting of the spot recipe (recipes/spot/spot_recipe.py): the fault schedule, and what the workers'
+logs say about it. No processes here: these functions read the ``replica_<node>.jsonl`` records that
+``recipes/spot/spot_trainer_worker.py`` writes (one line per committed step, a ``final`` line at the end), so they are
 tested on hand-made records (tests/unit/ft/test_spot_recipe.py).
 """
 

@@ -16,7 +16,7 @@ validation loss. A refused recovery checkpoint ends the process with exit code 3
 ``--corpus shakespeare`` trains ``CausalLMModule`` (llama-tiny) on ``ShakespeareDataModule`` instead (a real corpus
 through our DataModule; ``--shard-groups`` then gives each node its shard of the one training set).
 
-    REPLICA_GROUP_ID=0 python recipes/spot_trainer_worker.py --lighthouse http://localhost:29510 --out /tmp/spot
+    REPLICA_GROUP_ID=0 python recipes/spot/spot_trainer_worker.py --lighthouse http://localhost:29510 --out /tmp/spot
 """
 
 from __future__ import annotations
