@@ -19,7 +19,7 @@ pytest.importorskip("safetensors")
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~160 s: out of the default run (python3 -m pytest -m heavy); its logic is unit-tested
 @pytest.mark.timeout(900)
 def test_the_smoke_schedule_survives_every_fault_with_nothing_lost(tmp_path):
     out = tmp_path / "spot.json"
