@@ -28,7 +28,7 @@ __all__ = ["recovery_cases"]
 
 SECRET = ClusterSecret(b"catalogue-cluster-secret-0123456789", "catalogue")
 STRANGER = ClusterSecret(b"a-stranger-s-own-secret-9876543210", "stranger")
-STEP, QUORUM, NONCE, PEER = 5, 3, "0f" * 16, 1
+STEP, NONCE, PEER = 5, "0f" * 16, 1
 DECODER = "ft recovery blob (tag, codec, checks)"
 
 
@@ -52,8 +52,8 @@ def _layout(own: dict[str, Any]) -> StateLayout:
     return StateLayout.of(own, {("user", "default", "optimizer", "state"): shapes})
 
 
-def _tag(secret: ClusterSecret, blob: bytes, step: int = STEP, quorum: int = QUORUM) -> str:
-    return ClusterSecret.finish_blob_tag(secret.blob_tagger("", step, quorum, blob), NONCE)
+def _tag(secret: ClusterSecret, blob: bytes, step: int = STEP, nonce: str = NONCE) -> str:
+    return ClusterSecret.finish_blob_tag(secret.blob_tagger("", step, blob), nonce)
 
 
 def _accept(blob: bytes, tag: str | None) -> Any:
@@ -66,7 +66,6 @@ def _accept(blob: bytes, tag: str | None) -> Any:
         timeout=timedelta(seconds=5),
         host="localhost",
         secret=SECRET,
-        quorum=lambda: QUORUM,
         validate=lambda state, peer, step: validate_recovered(state, own, step=step, peer=peer),
     )
     try:
@@ -124,7 +123,12 @@ def recovery_cases(random_cases: int) -> list[tuple[str, str, Callable[[], Any],
         (DECODER, "tag under another secret", _tagged(lambda blob: _tag(STRANGER, blob)), forged),
         (DECODER, "one flipped bit after tagging", _tagged(lambda blob: _tag(SECRET, blob), flip=True), forged),
         (DECODER, "tag of an earlier step (replay)", _tagged(lambda blob: _tag(SECRET, blob, step=STEP - 1)), forged),
-        (DECODER, "tag of another quorum (replay)", _tagged(lambda blob: _tag(SECRET, blob, quorum=2)), forged),
+        (
+            DECODER,
+            "answer to another nonce (replay)",
+            _tagged(lambda blob: _tag(SECRET, blob, nonce="0" * 32)),
+            forged,
+        ),
         (DECODER, "Adam exp_avg_sq = -1", _member(lambda s: _optim(s)["state"][0]["exp_avg_sq"].fill_(-1)), forged),
         (DECODER, "lr = 1e18", _member(lambda s: _optim(s)["param_groups"][0].update(lr=1e18)), forged),
         (DECODER, "betas = (5, -3)", _member(lambda s: _optim(s)["param_groups"][0].update(betas=(5.0, -3.0))), forged),

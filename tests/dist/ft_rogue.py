@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             for param in model.parameters():
                 param.mul_(1e4)  # its weights: a loss of ~1e8 on the honest data
         served = replica.transport
-        forger = _ServeAnyone(
-            replica._receiver_layout, host="localhost", secret=replica.secret, quorum=lambda: replica.manager._quorum_id
-        )
+        forger = _ServeAnyone(replica._receiver_layout, host="localhost", secret=replica.secret)
         replica.manager._checkpoint_transport = forger
         served.shutdown()
         replica.manager.load_state_dict({"step": 100_000, "batches_committed": 0})

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ import pytest
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
+
+from tests.dist.ft_support import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
@@ -44,24 +45,6 @@ def _steps(out: Path, replica: int) -> list[dict]:
     return [r for r in _records(out, replica) if not r.get("final")]
 
 
-def _wait(condition, what: str, procs: dict, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        for name, proc in procs.items():
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"replica group {name} exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -69,7 +52,7 @@ def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Pop
         "PYTHONUNBUFFERED": "1",
         # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each replica group is its own job.
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "LOCAL_RANK": "0",
         "GROUP_RANK": "0",
@@ -91,7 +74,7 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
     try:
         for replica in range(3):
             procs[str(replica)] = _start(address, replica, tmp_path)
-        _wait(
+        wait_for(
             lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 3]) >= 3 for i in range(3)),
             "3 replica groups to commit 3 steps together",
             procs,
@@ -102,7 +85,7 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         procs["2"].wait()
         killed_at = max(r["step"] for r in _steps(tmp_path, 2))
         survivors = {k: v for k, v in procs.items() if k != "2"}
-        _wait(
+        wait_for(
             lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 2]) >= 3 for i in (0, 1)),
             "the survivors to commit 3 steps as 2",
             survivors,
@@ -110,12 +93,16 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         before_rejoin = len(_steps(tmp_path, 2))
 
         procs["2"] = _start(address, 2, tmp_path)
-        _wait(lambda: len(_steps(tmp_path, 2)) > before_rejoin, "the restarted replica group to commit a step", procs)
+        wait_for(
+            lambda: len(_steps(tmp_path, 2)) > before_rejoin, "the restarted replica group to commit a step", procs
+        )
         first = _steps(tmp_path, 2)[before_rejoin]
         assert first["pid"] != _steps(tmp_path, 2)[0]["pid"], "the restarted replica group is a new process"
         assert first["step"] > killed_at + 3, (first, killed_at)  # it joined at the survivors' step, not at 0
         assert first["global_step"] == first["step"], first  # Lightning's counter took the survivors' committed count
-        _wait(lambda: all(any(r["step"] == first["step"] for r in _steps(tmp_path, i)) for i in (0, 1)), "peers", procs)
+        wait_for(
+            lambda: all(any(r["step"] == first["step"] for r in _steps(tmp_path, i)) for i in (0, 1)), "peers", procs
+        )
         peers_index = set()
         for i in (0, 1):
             peer = next(r for r in _steps(tmp_path, i) if r["step"] == first["step"])

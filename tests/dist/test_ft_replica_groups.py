@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ import pytest
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
+
+from tests.dist.ft_support import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = {
@@ -46,27 +47,9 @@ def _steps(out: Path, group: int, rank: int, *, final: bool = False) -> list[dic
     return [r for r in records if bool(r.get("final")) == final]
 
 
-def _wait(condition, what: str, procs: dict, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        for name, proc in procs.items():
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"{name} exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_node(worker: Path, address: str, group: int, out: Path) -> dict[str, subprocess.Popen]:
     """Both ranks of one node, as its own launch would start them."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = {}
     for rank in range(RANKS):
         env = {
@@ -106,7 +89,7 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
     try:
         procs.update(_start_node(WORKERS[worker], address, 0, tmp_path))
         procs.update(_start_node(WORKERS[worker], address, 1, tmp_path))
-        _wait(
+        wait_for(
             lambda: all(
                 len([r for r in _steps(tmp_path, g, k) if r["participants"] == 2]) >= 2 for g in (0, 1) for k in ranks
             ),
@@ -116,7 +99,7 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
         # Together, every rank's shards equal the other node's same rank (the first quorum synced differing inits).
         both = max(r["step"] for r in _steps(tmp_path, 1, 0) if r["participants"] == 2)
         for rank in ranks:
-            _wait(lambda rank=rank: _at(tmp_path, 0, rank, both) is not None, "node 0 at the same step", procs)
+            wait_for(lambda rank=rank: _at(tmp_path, 0, rank, both) is not None, "node 0 at the same step", procs)
             assert _at(tmp_path, 0, rank, both)["digest"] == _at(tmp_path, 1, rank, both)["digest"], rank
         assert _at(tmp_path, 0, 0, both)["digest"] != _at(tmp_path, 0, 1, both)["digest"]  # two different shards
         survivor_pids = {k: _steps(tmp_path, 0, k)[-1]["pid"] for k in ranks}
@@ -126,7 +109,7 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
         for rank in ranks:
             procs.pop(f"group 1 rank {rank}").wait()
         killed_at = max(r["step"] for k in ranks for r in _steps(tmp_path, 1, k))
-        _wait(
+        wait_for(
             lambda: all(len([r for r in _steps(tmp_path, 0, k) if r["participants"] == 1]) >= 3 for k in ranks),
             "the surviving node to commit 3 steps alone",
             procs,
@@ -134,7 +117,7 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
         before = {k: len(_steps(tmp_path, 1, k)) for k in ranks}
 
         procs.update(_start_node(WORKERS[worker], address, 1, tmp_path))
-        _wait(
+        wait_for(
             lambda: all(len(_steps(tmp_path, 1, k)) > before[k] for k in ranks),
             "both restarted ranks to commit a step",
             procs,
@@ -143,7 +126,9 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
             first = _steps(tmp_path, 1, rank)[before[rank]]
             assert first["pid"] != _steps(tmp_path, 1, rank)[0]["pid"], "the restarted rank is a new process"
             assert first["step"] > killed_at + 3, (first, killed_at)  # healed to the survivor's step, not from 0
-            _wait(lambda rank=rank, first=first: _at(tmp_path, 0, rank, first["step"]) is not None, "survivor", procs)
+            wait_for(
+                lambda rank=rank, first=first: _at(tmp_path, 0, rank, first["step"]) is not None, "survivor", procs
+            )
             peer = _at(tmp_path, 0, rank, first["step"])
             assert first["digest"] == peer["digest"], f"rank {rank} of the rejoined node differs after its first step"
             assert first["participants"] == peer["participants"] == 2

@@ -228,7 +228,9 @@ def test_a_lighthouse_gone_past_the_deadline_keeps_the_committed_steps_and_the_r
                 lighthouse.wait()
 
         module = _Module(kill_after_three)
-        with pytest.raises(ReplicasBelowMinimumError, match="the lighthouse at .* was unreachable") as caught:
+        # Under load the deadline can pass while the dying lighthouse still answers: either message is this stop.
+        stopped = "the lighthouse at .* was unreachable|no quorum formed"
+        with pytest.raises(ReplicasBelowMinimumError, match=stopped) as caught:
             _trainer(tmp_path, address, steps=6).fit(module, _loader())
         checkpoint = caught.value.checkpoint
         assert checkpoint is not None and checkpoint.endswith("below-min-replicas-step=3.ckpt")
