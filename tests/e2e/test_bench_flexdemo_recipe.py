@@ -21,7 +21,7 @@ from tests.testbed_support import require_testbed
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a minute or more; out of the default run to keep it near 20 min (-m heavy)
 @pytest.mark.timeout(1800)
 def test_bench_flexdemo_sweep_smoke(tmp_path: Path) -> None:
     require_testbed()

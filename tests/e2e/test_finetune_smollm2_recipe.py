@@ -75,7 +75,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a minute or more; out of the default run to keep it near 20 min (-m heavy)
 @pytest.mark.assets
 @pytest.mark.timeout(1800)
 def test_quick_run_writes_every_figure(tmp_path: Path) -> None:
