@@ -27,7 +27,7 @@ def run_recipe(*argv: str, timeout: int = 280) -> str:
     return result.stdout
 
 
-@pytest.mark.heavy  # a minute or more; out of the default run to keep it near 20 min (-m heavy)
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_subspace_quick_run_and_recompute(tmp_path):
     """2 stages, plain vs ssn16-bf16, 4 steps unthrottled and at 80 Mbit; then ``--from-results`` gives the same."""

@@ -73,7 +73,6 @@ def test_finetune_smollm2_prints_perplexity_before_and_after(tmp_path):
     print(f"finetune_smollm2 (10 steps): {elapsed:.0f} s, val perplexity {report}")
 
 
-@pytest.mark.heavy  # a minute or more; out of the default run to keep it near 20 min (-m heavy)
 @pytest.mark.timeout(600)
 def test_bench_lowbit_quick_smoke(tmp_path):
     """The low-bit benchmark runs end to end in its quick mode and writes a complete JSON (figures not checked)."""
