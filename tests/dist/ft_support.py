@@ -1,8 +1,7 @@
-"""What the fault-tolerant dist tests share: waiting on live processes, and a free local port."""
+"""What the fault-tolerant dist tests share: waiting on live processes."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -21,10 +20,3 @@ def wait_for(
                 raise AssertionError(f"process {name} exited with {proc.returncode} while waiting for {what}")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def free_port() -> int:
-    """A local TCP port free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

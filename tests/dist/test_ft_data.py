@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.dist.test_ft_flexdemo import _start, _steps, _wait
+from tests.dist.ft_support import wait_for
+from tests.dist.test_ft_flexdemo import _start, _steps
 
 pytest.importorskip("torchft")
 from torchft.coordination import LighthouseServer  # noqa: E402
@@ -38,7 +39,7 @@ def test_each_node_reads_its_shard_and_a_node_frozen_past_the_timeout_follows_th
     try:
         for node in range(GROUPS):
             procs[str(node)] = _start(address, node, tmp_path, *shard)
-        _wait(
+        wait_for(
             lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 3]) >= 3 for i in range(3)),
             "3 replica groups to commit 3 steps together",
             procs,
@@ -46,13 +47,13 @@ def test_each_node_reads_its_shard_and_a_node_frozen_past_the_timeout_follows_th
         procs["2"].send_signal(signal.SIGSTOP)
         frozen_at = len(_steps(tmp_path, 2))
         survivors = {k: v for k, v in procs.items() if k != "2"}
-        _wait(
+        wait_for(
             lambda: all(len([r for r in _steps(tmp_path, i) if r["participants"] == 2]) >= 6 for i in (0, 1)),
             "the survivors to commit 6 steps as 2 (past the 5 s timeout)",
             survivors,
         )
         procs["2"].send_signal(signal.SIGCONT)
-        _wait(lambda: len(_steps(tmp_path, 2)) >= frozen_at + 4, "the resumed node to commit 4 steps", procs)
+        wait_for(lambda: len(_steps(tmp_path, 2)) >= frozen_at + 4, "the resumed node to commit 4 steps", procs)
         time.sleep(1)
         stop = max(r["step"] for i in range(3) for r in _steps(tmp_path, i)) + 3
         (tmp_path / "stop").write_text(str(stop))

@@ -27,7 +27,8 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import free_port, wait_for
+from lightning_hetero.testing import find_free_port
+from tests.dist.ft_support import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
@@ -52,7 +53,7 @@ def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Pop
         "PYTHONUNBUFFERED": "1",
         # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each replica group is its own job.
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(find_free_port()),
         "RANK": "0",
         "LOCAL_RANK": "0",
         "GROUP_RANK": "0",

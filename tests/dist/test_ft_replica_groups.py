@@ -29,7 +29,8 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import free_port, wait_for
+from lightning_hetero.testing import find_free_port
+from tests.dist.ft_support import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = {
@@ -49,7 +50,7 @@ def _steps(out: Path, group: int, rank: int, *, final: bool = False) -> list[dic
 
 def _start_node(worker: Path, address: str, group: int, out: Path) -> dict[str, subprocess.Popen]:
     """Both ranks of one node, as its own launch would start them."""
-    port = str(free_port())
+    port = str(find_free_port())
     procs = {}
     for rank in range(RANKS):
         env = {
