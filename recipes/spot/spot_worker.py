@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,34 +59,6 @@ def build(hidden: int = 16, lr: float = 0.02, seed: int = 1000) -> tuple[torch.n
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
-
-
-def replay(
-    schedule: list[tuple[int, list[int]]],
-    hidden: int = 16,
-    lr: float = 0.02,
-    on_step: Callable[[int, torch.nn.Module], None] | None = None,
-) -> torch.nn.Module:
-    """Train in one process, without faults, on exactly the batches of ``schedule``: (committed step, replicas whose
-    batches were averaged at it). The reference a fault-tolerant run is compared with (same tokens). ``on_step`` is
-    called after every step with the step and the model."""
-    model, optimizer = build(hidden, lr)
-    for step, replicas in schedule:
-        grads = []
-        for replica in replicas:
-            inputs, target = batch(step - 1, replica)  # a step is committed with the batch of the step before it
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(inputs), target).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-        mean = torch.stack(grads).sum(dim=0) / len(grads)
-        offset = 0
-        for param in model.parameters():
-            param.grad = mean[offset : offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
-        optimizer.step()
-        if on_step is not None:
-            on_step(step, model)
-    return model
 
 
 def forbid_pickle() -> None:
