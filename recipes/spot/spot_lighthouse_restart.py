@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+from lightning_hetero.testing import find_free_port
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
 LIGHTHOUSE_FLAGS = ("--min_replicas", "2", "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500")
 """The flags of docs/spot.md's production lighthouse (the spot recipe's tuned timeouts)."""
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
@@ -71,7 +65,7 @@ def wait_for(condition: Any, what: str, procs: dict[int, subprocess.Popen], time
 
 def run(out: Path, outage: float, quorum_retries: int | None, quorum_timeout: float) -> dict[str, Any]:
     """One lighthouse outage of ``outage`` seconds under 2 workers; returns the measured fields."""
-    port = free_port()
+    port = find_free_port()
     address = f"http://localhost:{port}"
     lighthouse_log = out / "lighthouse.log"
     lighthouse = start_lighthouse(port, lighthouse_log)

@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,17 +38,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spot_report as report  # noqa: E402 - the recipe's own planning and reporting
 
+from lightning_hetero.testing import find_free_port
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
 NODES, MIN_REPLICAS = 3, 2
 LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500")  # docs/spot.md's command
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Cluster:
@@ -57,7 +51,7 @@ class Cluster:
 
     def __init__(self, out: Path, min_replicas: int, worker_args: list[str]) -> None:
         self.out, self.min_replicas, self.worker_args = out, min_replicas, worker_args
-        self.port = free_port()
+        self.port = find_free_port()
         self.lighthouse: subprocess.Popen | None = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.starts: dict[int, int] = {}
@@ -92,7 +86,7 @@ class Cluster:
             "OMP_NUM_THREADS": "1",
             # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each node is its own job.
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            "MASTER_PORT": str(find_free_port()),
             "RANK": "0",
             "LOCAL_RANK": "0",
             "GROUP_RANK": "0",
