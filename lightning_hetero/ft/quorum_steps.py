@@ -81,6 +81,12 @@ class QuorumSteps:
         """Whether the last optimizer step was committed (None before the first)."""
         self.last_retries = 0
         """Discarded tries before the last optimizer step committed (``retry=True`` only)."""
+        self.batch_step: int | None = None
+        """Committed steps when the current batch was drawn (:meth:`begin_batch`); None before the first."""
+        self.abandoned_batches = 0
+        """Batches dropped because the quorum committed their step without this replica group (:meth:`overtaken`)."""
+        self.last_abandoned = False
+        """Whether the last :meth:`committed_step` dropped its batch instead of stepping."""
 
     @property
     def active(self) -> bool:
@@ -93,7 +99,7 @@ class QuorumSteps:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        replicator: Replicator,
+        replicator: Replicator | None,
         device: torch.device | str,
         owner: str,
         rank: int = 0,
@@ -110,7 +116,8 @@ class QuorumSteps:
             settings: The fault-tolerant mode's settings.
             model: The model copy (this rank's FSDP2 shards).
             optimizer: Its (replicating) optimizer.
-            replicator: The optimizer's replicator, routed through the Manager.
+            replicator: The optimizer's replicator, routed through the Manager (None: the runtime exchanges through
+                ``replica.gather_bytes`` itself, e.g. MatFormer's per-region mean).
             device: This rank's device (``cuda``: NCCL, else gloo).
             owner: Class name used in logs.
             rank: This rank inside the replica group (the launch's rank).
@@ -141,7 +148,8 @@ class QuorumSteps:
             comm.broadcast(port, src=0, label=comm.INTRA)
             if rank != 0:
                 self.replica = build(int(port.item()))
-        self.replica.manage(replicator)
+        if replicator is not None:
+            self.replica.manage(replicator)
         log.info(
             "%s: fault-tolerant mode, replica group %s, group rank %d of %d",
             owner,
@@ -166,16 +174,28 @@ class QuorumSteps:
             self.replica.start_step()
             self.step_open = True
 
+    def begin_batch(self) -> None:
+        """A new batch was drawn for the next step: remember which (call before this batch's :meth:`start_step`)."""
+        self.batch_step = self.committed_steps
+
+    @property
+    def overtaken(self) -> bool:
+        """Whether the quorum committed this batch's step without this replica group: it was healed in place to a
+        later step (frozen or cut off past the timeout), so the batch belongs to a step it missed."""
+        return self.replica is not None and self.batch_step is not None and self.committed_steps > self.batch_step
+
     @property
     def committed_steps(self) -> int:
         """Steps the quorum committed (torchft's step; equal on every replica group that took part in the last step,
         a healed joiner included); 0 outside the mode."""
         return 0 if self.replica is None else int(self.replica.current_step())
 
-    def committed_step(self, step: Callable[[], Any], *, retry: bool = False) -> Any:
+    def committed_step(
+        self, step: Callable[[], Any], *, retry: bool = False, abandon: Callable[[], Any] | None = None
+    ) -> Any:
         """Run ``step`` (the optimizer step, closure included) and keep it only if the quorum commits it (weights,
         gradients and optimizer state are restored otherwise); outside the mode just run it. Returns what ``step``
-        returned.
+        (or ``abandon``) returned.
 
         Args:
             step: Runs the optimizer step; with ``retry`` it must be repeatable (e.g. Lightning's closure, which runs
@@ -183,7 +203,13 @@ class QuorumSteps:
             retry: Run ``step`` again in a new quorum until it commits (a joiner or a lagging replica is healed in
                 that quorum, before the step runs again), so one call is one committed step. torchft's
                 ``max_retries`` (``FaultToleranceSettings.max_retries``) bounds the tries: past it, ``RuntimeError``.
+            abandon: With :meth:`begin_batch` called for this batch: when the quorum turns out to have committed the
+                batch's step without this replica group (:attr:`overtaken`: healed in place to a later step), run
+                ``abandon`` instead of ``step`` (it must exchange nothing) and keep this quorum open for the next
+                batch: the batch belongs to a step this group missed, so it is not trained, and the next one is the
+                committed step's. :attr:`last_abandoned` says it happened; :attr:`last_commit` is False.
         """
+        self.last_abandoned = False
         if self.replica is None:
             return step()
         output: list[Any] = [None]
@@ -194,6 +220,17 @@ class QuorumSteps:
         self.last_retries = 0
         while True:
             self.start_step()
+            if abandon is not None and self.overtaken:
+                self.last_commit = False
+                self.last_abandoned = True
+                self.abandoned_batches += 1
+                log.warning(
+                    "the quorum committed step %d without this replica group (healed in place to step %d): the batch "
+                    "drawn for it is dropped, the next one is the committed step's",
+                    (self.batch_step or 0) + 1,
+                    self.committed_steps,
+                )
+                return abandon()
             try:
                 self.last_commit = self.replica.step_optimizer(run)
             finally:
@@ -204,7 +241,8 @@ class QuorumSteps:
 
     def metrics(self) -> dict[str, float]:
         """``ft/participants`` (replica groups in the last step's average), ``ft/committed`` (1 or 0),
-        ``ft/retries`` (discarded tries before it) and ``ft/step`` (committed steps, equal on every replica group)."""
+        ``ft/retries`` (discarded tries before it), ``ft/step`` (committed steps, equal on every replica group) and
+        ``ft/abandoned_batches`` (batches dropped because their step was committed without this group, in total)."""
         if self.replica is None or self.last_commit is None:
             return {}
         return {
@@ -212,6 +250,7 @@ class QuorumSteps:
             "ft/committed": float(self.last_commit),
             "ft/retries": float(self.last_retries),
             "ft/step": float(self.replica.current_step()),
+            "ft/abandoned_batches": float(self.abandoned_batches),
         }
 
     def leave(self) -> None:

@@ -8,8 +8,10 @@ any of this, so every private attribute used here is listed in :data:`LIGHTNING_
 one fails that test instead of a spot run.
 
 - :class:`TrainerPosition`: ``global_step``, the loggers' step, epoch and batch, sent by a live peer
-  (recovery state ``"trainer_position"``) and adopted by a joiner.
-- :func:`follow_peer_mid_epoch`: a node healed *in place* mid-epoch skips forward to the peer's (epoch, batch).
+  (recovery state ``"trainer_position"``) and adopted by a joiner. A node healed *in place* (frozen or cut off past
+  the timeout) drops the batch it drew for the step it missed (:meth:`TrainerPosition.drop_batch_in_flight`), so each
+  step it commits trains that step's batch of its shard: none skipped, none off position.
+- :func:`follow_peer_mid_epoch`: a node healed in place mid-epoch skips forward to the peer's (epoch, batch).
 - :func:`batches_in_flight`: batches drawn whose step is not committed.
 """
 
@@ -69,6 +71,11 @@ class TrainerPosition:
         self.iterating = False
         self._pending_stepped: int | None = None
         self._noted = False
+        self._healed_in_place: dict[str, int] | None = None
+        """The peer's position adopted mid-epoch, until the batch in flight is dropped."""
+        self._schedules: tuple[list[dict[str, Any]], list[list[float]]] | None = None
+        """LR scheduler states and optimizer learning rates to put back after a dropped batch (Lightning steps the
+        schedulers once per batch, committed or not)."""
 
     def start(self) -> None:
         """``on_train_start``: no batch drawn yet; say once if the data position cannot follow a peer."""
@@ -84,12 +91,50 @@ class TrainerPosition:
             )
 
     def first_batch(self) -> None:
-        """``on_train_batch_start``: finish an adoption made before the loop reset its counters."""
+        """``on_train_batch_start``: finish an adoption made before the loop reset its counters, and undo the LR
+        schedulers' step Lightning took after a dropped batch."""
         if not self.iterating:
             self.iterating = True
             if self._pending_stepped is not None:
                 self.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_stepped
                 self._pending_stepped = None
+        if self._schedules is not None:
+            states, rates = self._schedules
+            self._schedules = None
+            for config, state in zip(self.trainer.lr_scheduler_configs, states, strict=True):
+                config.scheduler.load_state_dict(state)
+            for optimizer, optimizer_rates in zip(self.trainer.optimizers, rates, strict=True):
+                for group, rate in zip(optimizer.param_groups, optimizer_rates, strict=True):
+                    group["lr"] = rate
+
+    def drop_batch_in_flight(self) -> None:
+        """The batch in flight belongs to a step the quorum committed without this node (healed in place to a later
+        one): it is not trained. Lightning still finishes it as a batch and an optimizer step, so the counters are set
+        one short of the peer's (``global_step``, the loggers' step, the epoch's batches), the loader moves on to the
+        peer's next batch of this node's own data, and the LR schedulers are put back at the next batch.
+
+        Call between the heal and the end of the batch (the adapter's ``optimizer_step``), once per dropped batch.
+        """
+        trainer = self.trainer
+        loop = trainer.fit_loop.epoch_loop
+        self._step_counter().increment_by(-1)  # Lightning completes the dropped step: back to the peer's count
+        loop._batches_that_stepped = max(int(loop._batches_that_stepped) - 1, 0)
+        self._schedules = (
+            [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers],
+        )
+        peer, self._healed_in_place = self._healed_in_place, None
+        if peer is not None:
+            follow_peer_mid_epoch(trainer, peer["epoch"], peer["batches"], peer["global_step"])
+
+    def _step_counter(self) -> Any:
+        """The optimizer-step progress whose completed total is ``global_step``."""
+        trainer = self.trainer
+        loop = trainer.fit_loop.epoch_loop
+        module = trainer.lightning_module
+        if module is None or module.automatic_optimization:
+            return loop.automatic_optimization.optim_progress.optimizer.step.total
+        return loop.manual_optimization.optim_step_progress.total
 
     def state_dict(self) -> dict[str, int]:
         loop = self.trainer.fit_loop.epoch_loop
@@ -109,19 +154,14 @@ class TrainerPosition:
         position = checked_position(state)
         trainer = self.trainer
         loop = trainer.fit_loop.epoch_loop
-        module = trainer.lightning_module
-        if module is None or module.automatic_optimization:
-            steps = loop.automatic_optimization.optim_progress.optimizer.step
-        else:
-            steps = loop.manual_optimization.optim_step_progress
         # global_step reads the total of completed optimizer steps; a step in flight (ready, not completed) stays so.
-        steps.total.increment_by(position["global_step"] - trainer.global_step)
+        self._step_counter().increment_by(position["global_step"] - trainer.global_step)
         loader = trainer.train_dataloader
         if self.iterating:
             loop._batches_that_stepped = position["batches_that_stepped"]
-            # Healed in place (e.g. frozen past the timeout): the held batch is retried, then the data position
-            # jumps to the peer's, so it follows the committed step instead of staying behind.
-            follow_peer_mid_epoch(trainer, position["epoch"], position["batches"], position["global_step"])
+            # Healed in place (e.g. frozen past the timeout): the batch in flight was drawn for a step this node
+            # missed; the adapter drops it (drop_batch_in_flight), which also moves the data position to the peer's.
+            self._healed_in_place = position
             return
         self._pending_stepped = position["batches_that_stepped"]  # the loop's reset would change it
         if not isinstance(loader, StatefulDataLoader):
@@ -159,14 +199,15 @@ def checked_position(state: Mapping[str, Any]) -> dict[str, int]:
 def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: int) -> bool:
     """After an in-place heal mid-epoch: move this node's data position to the peer's ``(epoch, batches)``.
 
-    The batch in flight (drawn before the heal) is retried for this step; the loader then skips the batches this node
-    missed, and the loop's counters (``batch_idx``, the epoch's end) move with it, so the next batch is the peer's
-    next one and positions agree from then on. Only forward, within one epoch, and only with a
-    :class:`StatefulDataLoader` the loop reads without prefetching; otherwise the position stays and a warning says
-    so. Returns whether the position moved.
+    ``batches`` is the peer's count of batches done in ``epoch``, so its next batch is number ``batches``. The batch in
+    flight here (drawn before the heal, dropped) still completes as one batch of this epoch; the loader skips the
+    batches this node missed, and the loop's counters (``batch_idx``, the epoch's end) move with it, so the next batch
+    drawn is number ``batches``, as on the peer, and positions agree from then on. Only forward, within one epoch, and
+    only with a :class:`StatefulDataLoader` the loop reads without prefetching; otherwise the position stays and a
+    warning says so. Returns whether the position moved.
     """
     loop = trainer.fit_loop.epoch_loop
-    own = (int(trainer.current_epoch), int(loop.batch_progress.current.completed))
+    own = (int(trainer.current_epoch), int(loop.batch_progress.current.completed) + 1)  # the batch in flight counts
     behind = batches - own[1]
     if own == (epoch, batches):
         return False
@@ -184,7 +225,7 @@ def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: i
     if not movable:
         log.warning(
             "FlexDeMoStrategy: healed from a peer mid-epoch; global_step follows it (%d), the data position stays "
-            "this node's (epoch %d, batch %d; the peer's: epoch %d, batch %d).",
+            "this node's (epoch %d, next batch %d; the peer's: epoch %d, next batch %d).",
             global_step,
             *own,
             epoch,
@@ -192,13 +233,13 @@ def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: i
         )
         return False
     loader.advance(behind)
-    loop.batch_progress.increment_by(behind)  # ready, started, processed and completed alike: the batch in flight
+    loop.batch_progress.increment_by(behind)  # ready, started, processed and completed alike
     fetcher.fetched += behind
     fetcher.done = fetcher.fetched >= fetcher.length
     loop.batch_progress.is_last_batch = fetcher.done
     log.warning(
         "FlexDeMoStrategy: healed from a peer mid-epoch at step %d; this node's data position moves %d batch(es) "
-        "forward to the peer's (epoch %d, batch %d) after the batch in flight.",
+        "forward, to the peer's (epoch %d, next batch %d).",
         global_step,
         behind,
         epoch,

@@ -109,6 +109,8 @@ class Journal(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, data: Any, batch_idx: int) -> None:
         runtime = trainer.strategy.runtime
+        if runtime.quorum.last_abandoned:
+            return  # a batch drawn for a step committed without this node: dropped, not trained
         replica = runtime.quorum.replica
         sent = trainer.callback_metrics.get("comm/inter/bytes_sent_step")
         stats = runtime.optimizer.comm_stats()
@@ -123,6 +125,7 @@ class Journal(L.Callback):
             "batches_per_epoch": trainer.num_training_batches,
             "participants": replica.num_participants(),
             "retries": runtime.quorum.last_retries,
+            "abandoned": runtime.quorum.abandoned_batches,
             "pid": os.getpid(),
             "time": now,
             "step_s": now - self.started,

@@ -23,13 +23,14 @@ FSDP2 over its ranks; each rank a group rank of torchft's Manager). ``on_train_s
 ``on_train_batch_start`` every later one (a joining replica is healed there, before its forward); ``optimizer_step``
 runs Lightning's step (closure included) and keeps it only if the quorum commits it, else runs it again on the same
 batch in a new quorum, so ``global_step`` counts committed steps; then it logs ``ft/participants``, ``ft/committed``,
-``ft/retries`` and ``ft/step``. LR schedulers' state and the Trainer's position (``global_step``, the loggers' step,
-epoch and batch) travel with a recovery: a joiner continues at the survivors' step and, with a
-:class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same (epoch, batch) position of its own data; a node
-healed in place mid-epoch jumps to it after its batch in flight. With ``fault_tolerance.num_replica_groups`` the train
-loader reads this node's shard of the training set (:mod:`~lightning_hetero.strategies.flexdemo.replica_data`).
-Too few replica groups for longer than ``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the
-error ends ``fit``.
+``ft/retries``, ``ft/step`` and ``ft/abandoned_batches``. LR schedulers' state and the Trainer's position
+(``global_step``, the loggers' step, epoch and batch) travel with a recovery: a joiner continues at the survivors' step
+and, with a :class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the same (epoch, batch) position of its own
+data; a node healed in place mid-epoch drops the batch it drew for the step it missed (not trained) and reads the
+committed step's batch next, so every step it commits trains that step's batch of its shard. With
+``fault_tolerance.num_replica_groups`` the train loader reads this node's shard of the training set
+(:mod:`~lightning_hetero.strategies.flexdemo.replica_data`). Too few replica groups for longer than
+``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the error ends ``fit``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ from lightning_hetero.strategies.trainer_position import TrainerPosition
 __all__ = ["FlexDeMoStrategy"]
 
 log = logging.getLogger(__name__)
+
+
+def _redirected_step(method: str, context: str) -> Callable[..., Any]:
+    """The strategy's ``method`` hook: the module's own step under the precision plugin's ``context``.
+
+    The four step hooks differ only in these two names; :meth:`FlexDeMoStrategy._redirect` calls the step through the
+    root FSDP module when sharded.
+    """
+
+    def step(self: FlexDeMoStrategy, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self.precision_plugin, context)():
+            return self._redirect(method, *args, **kwargs)
+
+    step.__name__ = step.__qualname__ = method
+    return override(step)
 
 
 class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
@@ -232,25 +248,10 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
+    training_step = _redirected_step("training_step", "train_step_context")
+    validation_step = _redirected_step("validation_step", "val_step_context")
+    test_step = _redirected_step("test_step", "test_step_context")
+    predict_step = _redirected_step("predict_step", "predict_step_context")
 
     @override
     def on_train_start(self) -> None:
@@ -267,17 +268,33 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
         position = self._position
         if self.runtime.quorum.active and position is not None:
             position.first_batch()
+        self.runtime.quorum.begin_batch()
         self.runtime.quorum.start_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self.runtime.before_step()
         parent = super()
+        closure_runs = [0]
+
+        def counted_closure() -> Any:
+            closure_runs[0] += 1
+            return closure()
+
+        def drop_batch() -> None:
+            # Lightning needs the closure's result once; no exchange runs, nothing is applied.
+            if not closure_runs[0]:
+                counted_closure()
+
         # Fault-tolerant mode: a discarded try runs again (closure: forward and backward on the same batch) in a new
-        # quorum, so every node's global_step, LR schedulers and data position count committed steps only.
-        output = self.runtime.quorum.committed_step(
-            lambda: parent.optimizer_step(optimizer, closure, model, **kwargs), retry=True
+        # quorum, so every node's global_step, LR schedulers and data position count committed steps only; a batch
+        # whose step the quorum committed without this node (healed in place past it) is dropped instead.
+        quorum = self.runtime.quorum
+        output = quorum.committed_step(
+            lambda: parent.optimizer_step(optimizer, counted_closure, model, **kwargs), retry=True, abandon=drop_batch
         )
+        if quorum.last_abandoned and self._position is not None:
+            self._position.drop_batch_in_flight()
         metrics = self.runtime.after_step()  # always: it re-arms the hooks and runs the drift guard
         if not self.settings.log_comm_stats:
             metrics = {}

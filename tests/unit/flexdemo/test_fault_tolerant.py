@@ -224,8 +224,20 @@ class _Heal(__import__("lightning").Callback):
             self._heal(trainer)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if batch_idx == self.at_batch:
+        if batch_idx != self.at_batch:
+            return
+        # Healed in place by this batch's quorum (the strategy's hook, after this one), to the peer's later step.
+        replica = trainer.strategy.runtime.quorum.replica
+        join = replica.start_step
+
+        def join_and_heal():
+            join()
+            replica.start_step = join
             self._heal(trainer)
+            manager = replica.manager
+            manager.load_state_dict({**manager.state_dict(), "step": self.position["global_step"]})
+
+        replica.start_step = join_and_heal
 
     def _heal(self, trainer):
         from lightning_hetero.ft.codec import decode_state, encode_state
@@ -274,12 +286,15 @@ def test_a_trainer_healed_in_place_mid_epoch_takes_the_peers_step_and_its_data_p
     trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=9, callbacks=[heal], use_distributed_sampler=False)
     with caplog.at_level("INFO", logger="lightning_hetero"):
         trainer.fit(module, _indexed())
-    # Batch 1 (in flight at the heal) commits as the peer's step 8; the position then jumps to the peer's: batch 5
-    # (the peer's next) commits as step 9. Batches 2-4 are the steps this node missed.
-    assert module.seen == [(0, 0, _batch(0, 0)), (0, 1, _batch(0, 1)), (0, 5, _batch(0, 5))]
+    # Batch 1 (in flight at the heal) was drawn for step 2, which the quorum committed without this node: it is
+    # dropped (its forward runs once for Lightning's closure; nothing is stepped). The position jumps to the peer's:
+    # batch 4 (the peer's next) commits as step 8, batch 5 as step 9. Batches 1-3 are the steps this node missed.
+    assert module.seen == [(0, 0, _batch(0, 0)), (0, 1, _batch(0, 1)), (0, 4, _batch(0, 4)), (0, 5, _batch(0, 5))]
     assert trainer.global_step == 9 and trainer.fit_loop.epoch_loop._batches_that_stepped == 9
+    assert [m["ft/committed"] for m in module.logged] == [1.0, 0.0, 1.0, 1.0]
+    assert [m["ft/abandoned_batches"] for m in module.logged] == [0.0, 1.0, 1.0, 1.0]
     notes = [r.getMessage() for r in caplog.records if "mid-epoch" in r.getMessage()]
-    assert len(notes) == 1 and "moves 3 batch(es) forward to the peer's (epoch 0, batch 4)" in notes[0], notes
+    assert len(notes) == 1 and "moves 2 batch(es) forward, to the peer's (epoch 0, next batch 4)" in notes[0], notes
 
 
 @pytest.mark.timeout(180)
