@@ -14,10 +14,13 @@ run trains ``--tail`` more seconds and stops at one committed step.
 
 Alongside, from the same moment, ONE node trains alone (its own lighthouse with ``--min_replicas 1``, the whole
 training set, otherwise the same settings) and is stopped at the same moment: ``val_loss_vs_one_node_pct`` compares
-the final validation losses (same 40 validation batches; negative: the extra nodes helped). The two runs share the
-machine's cores, so each process gets about the same CPU share.
+the final validation losses (same 40 validation batches; negative: the extra nodes helped). Every node, the lone one
+included, is a machine of its own: its processes (a restarted node's too) run in a cgroup of the testbed
+(:mod:`lightning_hetero.testbed.cgroups`) with ``--node-cpu`` cores of CPU, enforced by the kernel, whatever else runs
+on the host; ``--node-cpu 0`` runs them unconfined on the shared cores (as before, where three synchronous nodes
+competed with the lone one for the same cores). Needs root and the cgroup ``cpu`` controller.
 
-    python recipes/spot/spot_recipe.py                    # about 12 minutes on 2 shared CPU cores
+    python recipes/spot/spot_recipe.py                    # about 13 minutes; 4 nodes of 0.45 core each
     python recipes/spot/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
 """
 
@@ -38,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spot_report as report  # noqa: E402 - the recipe's own planning and reporting
 
+from lightning_hetero.testbed.cgroups import NodeLimits, RunCgroups, create_node_cgroups, join_command, select_layout
 from lightning_hetero.testing import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +53,12 @@ LIGHTHOUSE_FLAGS = ("--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500"
 class Cluster:
     """A lighthouse and its nodes (worker processes), with their logs under ``out``."""
 
-    def __init__(self, out: Path, min_replicas: int, worker_args: list[str]) -> None:
+    def __init__(
+        self, out: Path, min_replicas: int, worker_args: list[str], machines: list[list[str]] | None = None
+    ) -> None:
         self.out, self.min_replicas, self.worker_args = out, min_replicas, worker_args
+        self.machines = machines
+        """Per node, the ``cgroup.procs`` files its processes join (its own CPU quota); None: unconfined."""
         self.port = find_free_port()
         self.lighthouse: subprocess.Popen | None = None
         self.procs: dict[int, subprocess.Popen] = {}
@@ -97,6 +105,8 @@ class Cluster:
         log = (self.out / f"worker_{node}_{time.monotonic_ns()}.log").open("w")
         command = [sys.executable, str(WORKER), "--lighthouse", f"http://localhost:{self.port}", "--out", str(self.out)]
         command += ["--min-replicas", str(self.min_replicas), *self.worker_args]
+        if self.machines is not None:
+            command = join_command(self.machines[node], command)  # the node's own CPU, from its first instruction
         self.procs[node] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         self.starts[node] = self.starts.get(node, 0) + 1
 
@@ -225,10 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage", type=float, default=10.0, help="seconds the lighthouse stays down")
     parser.add_argument("--below-min", type=float, default=160.0, help="seconds below min_replicas")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of training before the first fault")
-    parser.add_argument("--tail", type=float, default=180.0, help="seconds of training after the last fault")
+    parser.add_argument("--tail", type=float, default=300.0, help="seconds of training after the last fault")
+    parser.add_argument(
+        "--node-cpu",
+        type=float,
+        default=None,
+        help="cores of CPU per node (each of the 3 spot nodes and the lone one), a cgroup quota; 0: unconfined "
+        "(default 0.45; 0 with --smoke)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny schedule (seconds, not minutes)")
     parser.add_argument("--work", type=Path, default=None, help="keep the logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
+    if args.node_cpu is None:
+        args.node_cpu = 0.0 if args.smoke else 0.45
     if args.smoke:
         args.timeout, args.quorum_timeout, args.freeze, args.outage = 3.0, 5.0, 7.0, 3.0
         args.below_min, args.warmup, args.tail = 12.0, 5.0, 5.0
@@ -257,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     started = time.time()
+    machines = node_machines(args.node_cpu, NODES + 1)
     with TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
-        spot = Cluster(work / "spot", MIN_REPLICAS, [*common, "--shard-groups", str(NODES)])
-        alone = Cluster(work / "alone", 1, [*common, "--shard-groups", "1"])
+        spot_machines = None if machines is None else [machines.procs_files(n) for n in range(NODES)]
+        lone_machine = None if machines is None else [machines.procs_files(NODES)]
+        spot = Cluster(work / "spot", MIN_REPLICAS, [*common, "--shard-groups", str(NODES)], spot_machines)
+        alone = Cluster(work / "alone", 1, [*common, "--shard-groups", "1"], lone_machine)
         faults = []
         try:
             for cluster, count in ((spot, NODES), (alone, 1)):
@@ -279,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             spot.shutdown()
             alone.shutdown()
+            if machines is not None:
+                machines.remove()
         wall = time.time() - started
         result = summarize(spot, alone, faults, args, wall, stranded)
         result["lighthouse_command"] = " ".join(spot.command()).replace(str(spot.port), "PORT")
@@ -294,6 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def node_machines(cpu: float, count: int) -> RunCgroups | None:
+    """One cgroup per node with ``cpu`` cores (None for ``cpu`` 0); raise naming ``--node-cpu`` when it cannot be."""
+    if cpu <= 0:
+        return None
+    try:
+        return create_node_cgroups(secrets.token_hex(4), [NodeLimits(cpu_quota=cpu)] * count, select_layout({"cpu"}))
+    except Exception as error:  # no root, no cpu controller: say how to run without
+        raise SystemExit(
+            f"--node-cpu {cpu}: cannot give each node its own CPU quota ({error}); run as root on a "
+            "machine with the cgroup cpu controller, or pass --node-cpu 0 to share the cores."
+        ) from None
 
 
 def summarize(
@@ -346,7 +383,13 @@ def summarize(
         "pickle_free_transport": True,  # every worker ran with --forbid-pickle and every rejoin healed
         "faults": faults,
         "wall_s": round(wall, 1),
-        "machine": f"localhost, {os.cpu_count()} CPU cores shared with other jobs (timings noisy), gloo",
+        "node_cpu_cores": args.node_cpu or None,
+        "machine": (
+            f"localhost, {os.cpu_count()} CPU cores; each node (3 spot, 1 alone) in its own cgroup with a "
+            f"{args.node_cpu}-core CPU quota, gloo"
+            if args.node_cpu
+            else f"localhost, {os.cpu_count()} CPU cores shared by every node and other jobs (timings noisy), gloo"
+        ),
     }
 
 
