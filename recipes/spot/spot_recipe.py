@@ -20,7 +20,7 @@ included, is a machine of its own: its processes (a restarted node's too) run in
 on the host; ``--node-cpu 0`` runs them unconfined on the shared cores (as before, where three synchronous nodes
 competed with the lone one for the same cores). Needs root and the cgroup ``cpu`` controller.
 
-    python recipes/spot/spot_recipe.py                    # about 13 minutes; 4 nodes of 0.45 core each
+    python recipes/spot/spot_recipe.py                    # about 18 minutes; 4 nodes of 0.45 core each
     python recipes/spot/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
 """
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage", type=float, default=10.0, help="seconds the lighthouse stays down")
     parser.add_argument("--below-min", type=float, default=160.0, help="seconds below min_replicas")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of training before the first fault")
-    parser.add_argument("--tail", type=float, default=300.0, help="seconds of training after the last fault")
+    parser.add_argument("--tail", type=float, default=600.0, help="seconds of training after the last fault")
     parser.add_argument(
         "--node-cpu",
         type=float,
