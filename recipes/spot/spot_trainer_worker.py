@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         devices=1,
         num_nodes=1,
         strategy=FlexDeMoStrategy(settings=settings),
-        max_epochs=1,
+        max_epochs=-1,  # epochs over the node's shard until <out>/stop: a shard of 1/3 ends 3x sooner than the set
         max_steps=-1,
+        limit_val_batches=0,  # validation once, at the end (validation_loss): no pause at every shard's epoch end
         use_distributed_sampler=False,  # one rank per launch: the node's own stream, in order
         logger=False,
         enable_checkpointing=False,
