@@ -23,7 +23,11 @@ _TIMEOUT_PATTERNS = (
     re.compile(r"timed out|timeout", re.IGNORECASE),
 )
 _PEER_GONE_PATTERNS = (
-    re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|pair closure", re.IGNORECASE),
+    # gloo closes every pair of a timed-out op itself ("Application timeout caused pair closure"): a timeout.
+    re.compile(
+        r"Connection closed by peer|Connection reset by peer|Broken pipe|(?<!timeout caused )pair closure",
+        re.IGNORECASE,
+    ),
 )
 
 

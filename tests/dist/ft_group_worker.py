@@ -28,9 +28,11 @@ from lightning_hetero.replication import ReplicationSettings
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 8)) for _ in range(2)
+        )
         self.head = nn.Linear(8, 3)  # 3 rows over 2 ranks: uneven shards (2 and 1)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:

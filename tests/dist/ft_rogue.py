@@ -27,20 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ft_replica_worker import FEATURES, build  # the honest workers' model: the same slot size
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_hetero.ft.membership import MAC_BYTES
 from lightning_hetero.ft.replicas import FaultTolerantReplica
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.ft.transport import SafeCheckpointTransport
-
-FEATURES, HIDDEN = 8, 16  # the honest workers' model (recipes/spot/spot_worker.py): the same slot size
-
-
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(1000)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.02)
 
 
 def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
@@ -116,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.attack != "bitflip":  # a stranger: its own secret, not the cluster's
         os.environ["LIGHTNING_HETERO_FT_SECRET"] = secrets.token_hex(32)
-    model, optimizer = _model()
+    model, optimizer = build()
     settings = FaultToleranceSettings(
         lighthouse=args.lighthouse,
         min_replicas=2,

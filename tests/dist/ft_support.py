@@ -1,10 +1,53 @@
-"""What the fault-tolerant dist tests share: waiting on live processes."""
+"""What the fault-tolerant dist tests and their workers share: starting a replica group's ranks, waiting on live
+processes, reading the workers' JSON lines, and a process in which nothing may unpickle.
+
+The workers (tests/dist/ft_*_worker.py) run as scripts and import this module as ``ft_support``.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from lightning_hetero.testing import find_free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_node(
+    worker: Path, address: str, group: int, out: Path, ranks: int, *extra: str
+) -> dict[str, subprocess.Popen]:
+    """The ``ranks`` processes of replica group ``group``, each as its node's own ``torchrun --nnodes 1
+    --nproc-per-node ranks`` would start it (its own ``MASTER_PORT``, ``REPLICA_GROUP_ID``), named ``group G rank R``.
+    """
+    port = str(find_free_port())
+    procs = {}
+    for rank in range(ranks):
+        env = {
+            **os.environ,
+            "RUST_LOG": "warn",
+            "PYTHONUNBUFFERED": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": f"node{group}",
+            "REPLICA_GROUP_ID": str(group),
+        }
+        log = (out / f"worker_{group}_{rank}_{time.monotonic_ns()}.log").open("w")
+        command = [sys.executable, str(worker), "--lighthouse", address, "--out", str(out), *extra]
+        procs[f"group {group} rank {rank}"] = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    return procs
 
 
 def wait_for(
@@ -20,3 +63,30 @@ def wait_for(
                 raise AssertionError(f"process {name} exited with {proc.returncode} while waiting for {what}")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def read_records(path: Path, *, final: bool = False) -> list[dict]:
+    """The complete JSON lines a worker appended to ``path`` so far: its step records, or with ``final`` its last."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return [r for r in records if bool(r.get("final")) == final]
+
+
+def forbid_pickle() -> None:
+    """Make ``pickle.load(s)``, ``pickle.Unpickler`` and ``torch.load`` raise in this process (a heal must not)."""
+    import pickle
+
+    import torch
+
+    message = "forbid_pickle: something tried to unpickle"
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(message)
+
+    class RefusingUnpickler(pickle.Unpickler):  # a class: torch subclasses pickle.Unpickler at import time
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError(message)
+
+    pickle.load, pickle.loads, pickle.Unpickler = refuse, refuse, RefusingUnpickler  # type: ignore[assignment,misc]
+    torch.load = refuse  # type: ignore[assignment]

@@ -1,20 +1,26 @@
 """Faults on real process groups: a hung peer inside a later-created group fails within the job's timeout; and
-(slow) torchrun jobs of recipes/reliability/reliability_worker.py that survive a killed rank, a hung peer and a crash
-mid-save."""
+(slow) torchrun jobs of tests/dist/fault_worker.py that survive a killed rank, a hung peer and a crash mid-save."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
+from lightning_hetero.reliability.faults import ENV_VAR
 from lightning_hetero.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 
 
 def _hung_peer_in_subgroups(rank: int, world_size: int, sleep: float) -> list[str]:
@@ -48,14 +54,58 @@ def test_a_hung_peer_fails_collectives_of_later_groups_with_a_timeout():
     assert errors[1] != "no error", errors  # the second fails too (a timeout, or the pair closed by the first)
 
 
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_reliability", REPO / "recipes/reliability/bench_reliability.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_job(
+    strategy: str,
+    out: Path,
+    *,
+    max_steps: int,
+    every: int,
+    timeout: float,
+    fault: str | None = None,
+    max_restarts: int = 3,
+) -> dict[str, Any]:
+    """One single-node torchrun job of 2 ranks of the worker (the elastic agent restarts it after a fault)."""
+    out.mkdir(parents=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(WORKER)]
+    command += ["--strategy", strategy, "--max-steps", str(max_steps), "--every", str(every)]
+    command += ["--out", str(out), "--timeout", str(timeout)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # Workers sharing the rendezvous store key their process group by the restart count, and a restarted group can
+    # read the dead round's addresses (gloo "connectFullMesh ... Connection refused"; pytorch/pytorch#135712).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.pop(ENV_VAR, None)
+    if fault:
+        env[ENV_VAR] = fault
+    log = out / "log.txt"
+    with log.open("w") as stream:
+        # A session of its own: a job past its time is killed with every rank (a stopped one included).
+        agent = subprocess.Popen(
+            command, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
+        try:
+            code = agent.wait(timeout=1500)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            code = agent.wait()
+    attempts = out / "attempts.jsonl"
+    return {
+        "exit_code": code,
+        "attempts": [json.loads(line) for line in attempts.read_text().splitlines()] if attempts.is_file() else [],
+        "log_tail": log.read_text()[-1500:],
+    }
+
+
+def same_parameters(first: Path, second: Path, world: int = 2) -> bool | None:
+    """Bitwise equality of every rank's final parameters (None when a run left none)."""
+    for rank in range(world):
+        a, b = first / f"final_rank{rank}.pt", second / f"final_rank{rank}.pt"
+        if not (a.is_file() and b.is_file()):
+            return None
+        left, right = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+        if left.keys() != right.keys() or not all(torch.equal(left[k], right[k]) for k in left):
+            return False
+    return True
 
 
 @pytest.mark.slow
@@ -65,31 +115,29 @@ def _bench() -> ModuleType:
     ("scenario", "fault"), [("kill", "kill:rank=1:step=5"), ("save-kill", "save-kill:rank=1:step=8")]
 )
 def test_torchrun_job_survives_and_resumes_bit_identically(tmp_path, scenario, fault):
-    bench = _bench()
-    options = {"nodes": 1, "ranks_per_node": 2, "max_steps": 10, "every": 4, "timeout": 120.0}
-    reference = bench.run_job("flexdemo", tmp_path / "reference", **options)
+    options = {"max_steps": 10, "every": 4, "timeout": 120.0}
+    reference = run_job("flexdemo", tmp_path / "reference", **options)
     assert reference["exit_code"] == 0, reference["log_tail"]
-    job = bench.run_job("flexdemo", tmp_path / scenario, fault=fault, **options)
+    job = run_job("flexdemo", tmp_path / scenario, fault=fault, **options)
     assert job["exit_code"] == 0, job["log_tail"]
     attempts = job["attempts"]
     assert [a["attempt"] for a in attempts] == [0, 1]
     assert attempts[1]["resumed_from"] == "step=000004.ckpt"  # save-kill: the step-8 save never completed
-    assert bench.same_parameters(tmp_path / scenario, tmp_path / "reference", 2) is True
+    assert same_parameters(tmp_path / scenario, tmp_path / "reference") is True
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
 @pytest.mark.timeout(3600)
 def test_torchrun_job_survives_a_stopped_peer(tmp_path):
-    bench = _bench()
-    options = {"nodes": 1, "ranks_per_node": 2, "max_steps": 8, "every": 4}
-    reference = bench.run_job("flexdemo", tmp_path / "reference", timeout=10.0, **options)
+    options = {"max_steps": 8, "every": 4}
+    reference = run_job("flexdemo", tmp_path / "reference", timeout=10.0, **options)
     assert reference["exit_code"] == 0, reference["log_tail"]
-    job = bench.run_job("flexdemo", tmp_path / "hang", timeout=10.0, fault="stop:rank=1:step=6", **options)
+    job = run_job("flexdemo", tmp_path / "hang", timeout=10.0, fault="stop:rank=1:step=6", **options)
     assert job["exit_code"] == 0, job["log_tail"]
     (error,) = (tmp_path / "hang").glob("error_rank0_attempt0.json")
     assert "timed out" in error.read_text().lower()
-    assert bench.same_parameters(tmp_path / "hang", tmp_path / "reference", 2) is True
+    assert same_parameters(tmp_path / "hang", tmp_path / "reference") is True
 
 
 @pytest.mark.slow
@@ -98,16 +146,6 @@ def test_torchrun_job_survives_a_stopped_peer(tmp_path):
 @pytest.mark.parametrize("strategy", ["flexdemo", "matformer", "subspace", "sparseflip"])
 def test_short_fits_exit_cleanly(tmp_path, strategy):
     """Two 2-rank fits in a row; torchrun's exit code is non-zero if a worker aborts at teardown (SIGABRT)."""
-    bench = _bench()
     for repeat in range(2):
-        job = bench.run_job(
-            strategy,
-            tmp_path / str(repeat),
-            nodes=1,
-            ranks_per_node=2,
-            max_steps=2,
-            every=0,
-            timeout=120.0,
-            max_restarts=0,
-        )
+        job = run_job(strategy, tmp_path / str(repeat), max_steps=2, every=0, timeout=120.0, max_restarts=0)
         assert job["exit_code"] == 0, job["log_tail"]

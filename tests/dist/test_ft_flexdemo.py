@@ -1,5 +1,5 @@
 """FlexDeMo's fault-tolerant mode in the Lightning Trainer, as separate processes: a lighthouse (started here) and 3
-replica groups of one rank each (recipes/spot/spot_trainer_worker.py: ``Trainer(strategy=FlexDeMoStrategy(settings=
+replica groups of one rank each (tests/dist/ft_group_trainer_worker.py: ``Trainer(strategy=FlexDeMoStrategy(settings=
 FlexDeMoSettings(fault_tolerance=...)))``, DeMo replication, gloo on CPU), each started like a one-rank torchrun job
 of its own (``RANK=0``, ``WORLD_SIZE=1``, its own ``MASTER_PORT``, ``REPLICA_GROUP_ID``).
 
@@ -13,12 +13,8 @@ data continues at the survivors' position of its own stream, ``max_steps`` stops
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,44 +23,20 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from lightning_hetero.testing import find_free_port
-from tests.dist.ft_support import wait_for
+from tests.dist.ft_support import read_records, start_node, wait_for  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot" / "spot_trainer_worker.py"
+WORKER = Path(__file__).resolve().parent / "ft_group_trainer_worker.py"
 
 
-def _records(out: Path, replica: int) -> list[dict]:
-    path = out / f"replica_{replica}.jsonl"
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def _steps(out: Path, replica: int) -> list[dict]:
-    return [r for r in _records(out, replica) if not r.get("final")]
+def _steps(out: Path, replica: int, *, final: bool = False) -> list[dict]:
+    return read_records(out / f"group_{replica}_rank_0.jsonl", final=final)
 
 
 def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "RUST_LOG": "warn",
-        "PYTHONUNBUFFERED": "1",
-        # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each replica group is its own job.
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(find_free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "GROUP_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "TORCHELASTIC_RUN_ID": f"spot{replica}",
-        "REPLICA_GROUP_ID": str(replica),
-    }
-    log = (out / f"worker_{replica}_{time.monotonic_ns()}.log").open("w")
-    command = [sys.executable, str(WORKER), "--lighthouse", address, "--out", str(out), "--forbid-pickle"]
-    return subprocess.Popen([*command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    """Replica group ``replica``: one rank, its own launch; two of them must be present to step."""
+    options = ("--min-replicas", "2", "--step-sleep", "0.05", "--forbid-pickle", *extra)
+    (proc,) = start_node(WORKER, address, replica, out, 1, *options).values()
+    return proc
 
 
 @pytest.mark.timeout(900)
@@ -118,7 +90,7 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         # the PeerPayloadError comes out of trainer.fit naming the peer and the field.
         procs["impostor"] = _start(address, 3, tmp_path, "--hidden", "24")  # no _wait after this: it exits 3
         assert procs["impostor"].wait(timeout=300) == 3
-        error = (tmp_path / "replica_3.error").read_text()
+        error = (tmp_path / "group_3.error").read_text()
         assert "PeerPayloadError" in error and "recovery checkpoint from replica" in error, error
         assert "this replica holds F32 [24, 8]" in error, error
 
@@ -128,7 +100,7 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
         for name in ("0", "1", "2"):
             assert procs[name].wait(timeout=120) == 0, f"replica group {name} failed"
 
-        finals = [next(r for r in _records(tmp_path, i) if r.get("final")) for i in range(3)]
+        finals = [_steps(tmp_path, i, final=True)[0] for i in range(3)]
         assert len({f["digest"] for f in finals}) == 1, finals
         assert [f["global_step"] for f in finals] == [stop] * 3, finals  # max_steps stopped all at the same step
         for i in range(3):

@@ -15,12 +15,8 @@ step every rank's shards equal the survivor's rank's bit for bit, and again at t
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +25,8 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from lightning_hetero.testing import find_free_port
-from tests.dist.ft_support import wait_for
+from tests.dist.ft_support import read_records, start_node, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 WORKERS = {
     "runtime": Path(__file__).resolve().parent / "ft_group_worker.py",
     "trainer": Path(__file__).resolve().parent / "ft_group_trainer_worker.py",
@@ -41,38 +35,13 @@ RANKS = 2
 
 
 def _steps(out: Path, group: int, rank: int, *, final: bool = False) -> list[dict]:
-    path = out / f"group_{group}_rank_{rank}.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-    return [r for r in records if bool(r.get("final")) == final]
+    return read_records(out / f"group_{group}_rank_{rank}.jsonl", final=final)
 
 
-def _start_node(worker: Path, address: str, group: int, out: Path) -> dict[str, subprocess.Popen]:
-    """Both ranks of one node, as its own launch would start them."""
-    port = str(find_free_port())
-    procs = {}
-    for rank in range(RANKS):
-        env = {
-            **os.environ,
-            "RUST_LOG": "warn",
-            "PYTHONUNBUFFERED": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(RANKS),
-            "LOCAL_WORLD_SIZE": str(RANKS),
-            "GROUP_RANK": "0",
-            "TORCHELASTIC_RUN_ID": f"node{group}",
-            "REPLICA_GROUP_ID": str(group),
-        }
-        log = (out / f"worker_{group}_{rank}_{time.monotonic_ns()}.log").open("w")
-        command = [sys.executable, str(worker), "--lighthouse", address, "--out", str(out)]
-        procs[f"group {group} rank {rank}"] = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
-        )
-    return procs
+def _start_node(worker: str, address: str, group: int, out: Path) -> dict[str, subprocess.Popen]:
+    """Both ranks of one node, as its own launch would start them (the Trainer's nodes read their shards)."""
+    extra = ("--shard-groups", "2") if worker == "trainer" else ()
+    return start_node(WORKERS[worker], address, group, out, RANKS, *extra)
 
 
 def _at(out: Path, group: int, rank: int, step: int) -> dict | None:
@@ -88,8 +57,8 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
     procs: dict[str, subprocess.Popen] = {}
     ranks = range(RANKS)
     try:
-        procs.update(_start_node(WORKERS[worker], address, 0, tmp_path))
-        procs.update(_start_node(WORKERS[worker], address, 1, tmp_path))
+        procs.update(_start_node(worker, address, 0, tmp_path))
+        procs.update(_start_node(worker, address, 1, tmp_path))
         wait_for(
             lambda: all(
                 len([r for r in _steps(tmp_path, g, k) if r["participants"] == 2]) >= 2 for g in (0, 1) for k in ranks
@@ -117,7 +86,7 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
         )
         before = {k: len(_steps(tmp_path, 1, k)) for k in ranks}
 
-        procs.update(_start_node(WORKERS[worker], address, 1, tmp_path))
+        procs.update(_start_node(worker, address, 1, tmp_path))
         wait_for(
             lambda: all(len(_steps(tmp_path, 1, k)) > before[k] for k in ranks),
             "both restarted ranks to commit a step",

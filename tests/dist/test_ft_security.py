@@ -1,6 +1,6 @@
 """A rogue process against a live spot run: a lighthouse (started here), 2 honest replica groups
-(recipes/spot/spot_worker.py, sharing a cluster secret) and, one after the other, rogues (tests/dist/ft_rogue.py) that
-join the quorum as torchft lets any process do.
+(tests/dist/ft_replica_worker.py, sharing a cluster secret) and, one after the other, rogues (tests/dist/ft_rogue.py)
+that join the quorum as torchft lets any process do.
 
 Each attack is refused and the run goes on: the honest replicas never exit, never commit a step the rogue took part
 in (every committed step has 2 participants, or 3 once the bit-flipping member behaves), their committed steps go
@@ -26,20 +26,18 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
+from tests.dist.ft_support import read_records  # noqa: E402
+
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
+WORKER = Path(__file__).resolve().parent / "ft_replica_worker.py"
 ROGUE = Path(__file__).resolve().parent / "ft_rogue.py"
 SECRET = secrets.token_hex(32)
 
 
 def _steps(out: Path, replica: int) -> list[dict]:
-    path = out / f"replica_{replica}.jsonl"
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip().endswith("}")]
-    return [r for r in map(json.loads, lines) if not r.get("final")]
+    return read_records(out / f"replica_{replica}.jsonl")
 
 
 def _logs(out: Path, replica: int) -> str:

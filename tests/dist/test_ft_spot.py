@@ -1,5 +1,5 @@
 """Spot workers on torchft, as separate processes: a lighthouse (started here) and 3 replica groups of 1 process each
-(recipes/spot/spot_worker.py, gloo on CPU).
+(tests/dist/ft_replica_worker.py: :class:`~lightning_hetero.ft.replicas.FaultTolerantReplica`, gloo on CPU).
 
 One replica is SIGKILLed mid-run: the survivors step on without a restart (same pid, the step counter keeps rising,
 participants drop to 2, no step is committed twice or skipped). It is restarted, rejoins, is healed through our
@@ -10,7 +10,6 @@ the field, and the others go on.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,32 +23,18 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
+from tests.dist.ft_support import read_records, wait_for  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "recipes" / "spot" / "spot_worker.py"
+WORKER = Path(__file__).resolve().parent / "ft_replica_worker.py"
 
 
-def _records(out: Path, replica: int) -> list[dict]:
-    path = out / f"replica_{replica}.jsonl"
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return [json.loads(line) for line in lines if line.endswith("}")]
+def _steps(out: Path, replica: int, *, final: bool = False) -> list[dict]:
+    return read_records(out / f"replica_{replica}.jsonl", final=final)
 
 
-def _steps(out: Path, replica: int) -> list[dict]:
-    return [r for r in _records(out, replica) if not r.get("final")]
-
-
-def _wait(condition, what: str, timeout: float = 120.0, procs: dict | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        for name, proc in (procs or {}).items():
-            if proc.poll() not in (None, 0) and name != "impostor":
-                raise AssertionError(f"worker {name} exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+def _wait(condition, what: str, procs: dict | None = None) -> None:
+    wait_for(condition, what, {k: v for k, v in (procs or {}).items() if k != "impostor"}, timeout=120.0)
 
 
 def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Popen:
@@ -110,7 +95,7 @@ def test_a_killed_replica_leaves_the_survivors_stepping_and_rejoins_bit_identica
         for name in ("0", "1", "2"):
             assert procs[name].wait(timeout=120) == 0, f"worker {name} failed"
 
-        finals = [next(r for r in _records(tmp_path, i) if r.get("final")) for i in range(3)]
+        finals = [_steps(tmp_path, i, final=True)[0] for i in range(3)]
         assert len({f["digest"] for f in finals}) == 1, finals
         committed: set[int] = set()
         for i in (0, 1):

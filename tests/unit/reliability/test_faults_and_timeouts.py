@@ -73,4 +73,6 @@ def test_explain_collective_error():
     assert "timed out (5 s" in explain_collective_error(timeout, timedelta(seconds=5))
     closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.213.0.2]:1234")
     assert "closed its connection" in explain_collective_error(closed)
+    closed_by_timeout = RuntimeError("Application timeout caused pair closure")  # a stopped peer, seen by async ops
+    assert "timed out (5 s" in explain_collective_error(closed_by_timeout, timedelta(seconds=5))
     assert explain_collective_error(ValueError("shapes differ")) is None
