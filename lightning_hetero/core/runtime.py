@@ -58,6 +58,18 @@ class StrategyRuntime:
     restore_after_setup: ClassVar[bool] = False
     """True: a checkpoint holds what setup makes of the model (shards, stages, codes), so it is restored after."""
 
+    def _attach_settings(self, settings: Any, settings_class: type, owner: str) -> None:
+        """Keep ``settings`` and ``owner`` (what every runtime's ``__init__`` starts with).
+
+        Raises:
+            TypeError: ``settings`` is not a ``settings_class`` (e.g. a dict from a hand-written YAML), naming both.
+        """
+        if not isinstance(settings, settings_class):
+            name = settings_class.__name__
+            raise TypeError(f"{owner}: settings={settings!r} is not a {name}; pass settings={name}(...).")
+        self.settings = settings
+        self.owner = owner
+
     # ------------------------------------------------------------------------------------------------ launch
     def resolve_launch(self, world: WorldLayout) -> None:
         """Check the strategy's arguments against the launch layout, before any process starts (raise if wrong)."""

@@ -21,6 +21,7 @@ __all__ = [
     "check_choice",
     "check_fraction",
     "check_int",
+    "check_nested",
     "check_positive",
     "reject_renamed",
     "setting_names",
@@ -86,6 +87,16 @@ def check_fraction(owner: str, field: str, value: Any, *, allow_none: bool = Fal
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
     if not ok:
         raise ValueError(f"{_name(owner, field, value)}: use a fraction in (0, 1], e.g. 1/32 = 0.03125.")
+
+
+def check_nested(owner: str, field: str, value: Any, settings_class: type, keys: str, *, fix: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is a ``settings_class`` (a nested settings object; ``keys`` shows its
+    main fields, e.g. ``"chunk=..., values=..."``), naming how to write it in Python and in YAML."""
+    if not isinstance(value, settings_class):
+        raise ValueError(
+            f"{_name(owner, field, value)}: use {settings_class.__name__}({keys}) (in YAML: a mapping of those "
+            f"keys){fix}."
+        )
 
 
 def check_choice(owner: str, field: str, value: Any, choices: Iterable[Any]) -> None:

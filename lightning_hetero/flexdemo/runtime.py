@@ -68,11 +68,10 @@ class FlexDeMoRuntime(StrategyRuntime):
     directory_checkpoint = True  # each rank holds its own shards and error feedback
     restore_after_setup = True
 
+    settings: FlexDeMoSettings
+
     def __init__(self, settings: FlexDeMoSettings, owner: str = "FlexDeMoStrategy") -> None:
-        if not isinstance(settings, FlexDeMoSettings):
-            raise TypeError(f"{owner}(settings={settings!r}): use a FlexDeMoSettings(...).")
-        self.settings = settings
-        self.owner = owner
+        self._attach_settings(settings, FlexDeMoSettings, owner)
         # Any replication field set means the user asked for this exchange; all unset lets one copy skip compression.
         self.replicator_chosen = settings.replication.explicit
         self.default_kind: ReplicatorKind = DEFAULT_REPLICATOR

@@ -68,11 +68,10 @@ class DecoupledRuntime(PipelinePlacement, StrategyRuntime):
     directory_checkpoint = True
     restore_after_setup = True
 
+    settings: LayerwiseSettings
+
     def __init__(self, settings: LayerwiseSettings, owner: str = "LayerwiseStrategy") -> None:
-        if not isinstance(settings, LayerwiseSettings):
-            raise TypeError(f"{owner}: settings={settings!r}; use LayerwiseSettings(...).")
-        self.settings = settings
-        self.owner = owner
+        self._attach_settings(settings, LayerwiseSettings, owner)
         self.layout = PipelineLayout(settings.pipeline.num_stages, settings.pipeline.data_parallel_size)
         self._expected: dict[tuple, tuple[int, ...]] = {}  # per-sample input shape of this stage, per batch signature
         self.groups: PipelineGroups | None = None

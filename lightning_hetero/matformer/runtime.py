@@ -13,10 +13,16 @@ training), cached per helper-draw window. On the checkpoint side, ``mode="demo"`
 buffers in rank 0's checkpoint, and sliced tier ranks load rank 0's full checkpoint cut to their FFN widths.
 
 Every collective goes through :mod:`lightning_hetero.comm` with the label ``"inter"``.
+
+With ``settings.fault_tolerance`` (the spot worker mode, ``docs/spot.md``) each launch is one node of ONE rank and one
+torchft replica group holding the full (masked) model at its own node's tier (``node_entry``); the gradients are
+averaged per region over the quorum's participants (:mod:`~lightning_hetero.matformer.ft_exchange`, through
+``runtime.quorum``, a :class:`~lightning_hetero.ft.quorum_steps.QuorumSteps`) instead of region process groups.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
@@ -30,24 +36,29 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hetero import comm
 from lightning_hetero.comm import INTER
+from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.core import StrategyRuntime, WorldLayout, all_gather_json, broadcast_module_state
+from lightning_hetero.ft.quorum_steps import QuorumSteps, check_fault_tolerant_world
 from lightning_hetero.hetero.tier_choice import TierChoice
 from lightning_hetero.matformer.adapters import FFNBlock, find_ffns
 from lightning_hetero.matformer.aggregate import aggregate_gradients
 from lightning_hetero.matformer.auto_tiers import ProbeStep, choose_auto_tiers, memory_limits
 from lightning_hetero.matformer.checkpoint import grow_to_full, slice_model_state, slice_optimizer_state
 from lightning_hetero.matformer.compressed import CHECKPOINT_KEY, CompressedExchange
+from lightning_hetero.matformer.ft_exchange import GradientSpec, exchange_gradients, gradient_specs
 from lightning_hetero.matformer.helper_ranks import HelperConfig, trained_neurons, validate_helpers
 from lightning_hetero.matformer.layout import TierLayout, widths_for
 from lightning_hetero.matformer.region_groups import RegionGroups
 from lightning_hetero.matformer.schema import SETUP_DOCUMENT, agree_on_schema, canonical_hash, module_schema
-from lightning_hetero.matformer.settings import MatFormerSettings, TierEntry, as_list, expand_entries
+from lightning_hetero.matformer.settings import MatFormerSettings, TierEntry, as_list, expand_entries, node_entry
 from lightning_hetero.matformer.slicing import slice_model
 from lightning_hetero.matformer.tiers import rank_weights
 from lightning_hetero.matformer.types import FFNParameter
 from lightning_hetero.replication.settings import ReplicationSettings
 
 __all__ = ["MatFormerRuntime"]
+
+log = logging.getLogger(__name__)
 
 
 def _step_zero() -> int:
@@ -65,18 +76,15 @@ class MatFormerRuntime(StrategyRuntime):
 
     checkpoint_key = CHECKPOINT_KEY  # mode="demo": every rank's error-feedback buffers, in rank 0's checkpoint
 
+    settings: MatFormerSettings
+
     def __init__(self, settings: MatFormerSettings, owner: str = "MatFormerStrategy") -> None:
-        if not isinstance(settings, MatFormerSettings):
-            raise TypeError(
-                f"{owner}: settings={settings!r}; pass a MatFormerSettings(...) (in YAML: a mapping under "
-                "init_args.settings)."
-            )
-        self.settings = settings
-        self.owner = owner
+        self._attach_settings(settings, MatFormerSettings, owner)
         self.schema_hash: str | None = None
         """sha256 of the canonical tier-0 schema every rank agreed on at setup."""
         self.per_rank: list[TierEntry] | None = None
-        """Every global rank's entry, once :meth:`resolve_world` ran (``tiers="auto"``: once :meth:`setup` chose)."""
+        """Every global rank's entry, once :meth:`resolve_world` ran (``tiers="auto"`` and the fault-tolerant mode:
+        once :meth:`setup` ran)."""
         self.num_nodes = 1
         self.auto_choice: TierChoice | None = None
         """``tiers="auto"``: the measured choice (entries, reference step, one log line per rank), after setup."""
@@ -102,6 +110,12 @@ class MatFormerRuntime(StrategyRuntime):
         self.rank_scale: list[float] | None = None
         """Batch share: every rank's micro-batch size, which multiplies its weight in each region's mean (the
         token-weighted mean, :mod:`lightning_hetero.hetero.batch_share`); None: every rank counts the same."""
+        self.quorum = QuorumSteps()
+        """The fault-tolerant mode's quorum-gated steps (joined by :meth:`join_quorum`; no-ops otherwise)."""
+        self.ft_specs: list[GradientSpec] = []
+        """The fault-tolerant mode: the wire order of the gradient payload (from :meth:`setup`)."""
+        self.participant_widths: list[tuple[int, ...]] = []
+        """The fault-tolerant mode: every participant's FFN widths in the last exchange (participant order)."""
 
     # ------------------------------------------------------------------------------------------------ world
     def resolve_world(self, world_size: int, num_nodes: int = 1) -> list[TierEntry]:
@@ -111,6 +125,11 @@ class MatFormerRuntime(StrategyRuntime):
         ``auto_tiers.memory_limit_bytes`` override against the launch and returns an empty list.
         """
         self.num_nodes = num_nodes
+        if self.settings.fault_tolerance is not None:
+            # This node's entry needs its replica id (REPLICA_GROUP_ID), which only the launched process has: setup.
+            self._check_one_rank(num_nodes, world_size)
+            self.per_rank = None
+            return []
         if self.settings.auto:
             memory_limits(self.owner, self.settings.auto_settings, world_size, num_nodes)
             self.per_rank = None
@@ -128,8 +147,19 @@ class MatFormerRuntime(StrategyRuntime):
         )
 
     def resolve_launch(self, world: WorldLayout) -> None:
-        """Check the tier list against the launch (one entry per rank or per node)."""
+        """Check the tier list against the launch (one entry per rank or per node; the spot mode: one rank)."""
         self.resolve_world(world.world_size, world.num_nodes)
+
+    def _check_one_rank(self, nodes: int, ranks: int) -> None:
+        """The fault-tolerant mode: one launch per node (``check_fault_tolerant_world``) and one rank per launch."""
+        check_fault_tolerant_world(self.settings.fault_tolerance, self.owner, nodes, ranks)
+        if ranks != 1:
+            raise ValueError(
+                f"{self.owner}(settings.fault_tolerance=...): this launch has {ranks} ranks, but in the fault-tolerant "
+                "mode a MatFormer node is one replica group of ONE rank (its tier is its own, its full model is healed "
+                "whole). Start one launch per rank with devices=1 (torchrun --nproc-per-node 1), each with its own "
+                "REPLICA_GROUP_ID and its entry in settings.tiers; see docs/spot.md."
+            )
 
     def tier_of(self, rank: int) -> int | None:
         """``rank``'s tier when it is one tier for every FFN, else (per-layer or non power-of-two widths) None."""
@@ -159,7 +189,10 @@ class MatFormerRuntime(StrategyRuntime):
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
         self.step_fn = step_fn
-        if self.per_rank is None or len(self.per_rank) != self.world_size:
+        if self.settings.fault_tolerance is not None:
+            self._check_one_rank(1, self.world_size)  # torchrun's world, whatever the Trainer was told
+            self.per_rank = [node_entry(self.owner, self.settings)]
+        elif self.per_rank is None or len(self.per_rank) != self.world_size:
             self.resolve_world(self.world_size, self.num_nodes if self.world_size % self.num_nodes == 0 else 1)
         local_error: Exception | None = None
         payload: dict[str, Any] = {"error": None, "schema": None, "schema_hash": None}
@@ -217,6 +250,9 @@ class MatFormerRuntime(StrategyRuntime):
                 self.exchange.load_state_dict(self._pending_exchange_state)
                 self._pending_exchange_state = None
         self.local_widths = [self.layout.width(self.rank, b.layer) for b in blocks]
+        if self.settings.fault_tolerance is not None:
+            shapes = {name: tuple(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+            self.ft_specs = gradient_specs(shapes, self.ffn_params)
         if self.settings.slice_weights:
             if any(w != b.full_size for w, b in zip(self.local_widths, blocks, strict=True)):
                 slice_model(module, widths=self.local_widths)
@@ -243,7 +279,7 @@ class MatFormerRuntime(StrategyRuntime):
                 f"{self.owner}: settings.{name}={self.per_rank} does not fit the model's {len(blocks)} FFNs of "
                 f"sizes {sorted(set(sizes))} (a per-layer entry needs one value per FFN): {error}"
             ) from None
-        if layout.widths[0] != layout.full_sizes:
+        if layout.widths[0] != layout.full_sizes and self.settings.fault_tolerance is None:
             raise ValueError(
                 f"{self.owner}: settings.{name}={self.per_rank}: global rank 0 must train the full width of every "
                 f"FFN (sizes {list(layout.full_sizes)}), because it holds the model that is checkpointed and exported."
@@ -268,8 +304,22 @@ class MatFormerRuntime(StrategyRuntime):
         except ValueError as error:
             raise ValueError(f"{self.owner}: settings.helper_fraction={settings.helper_fraction}: {error}") from None
 
+    def join_quorum(self, module: nn.Module, optimizer: Optimizer, device: torch.device) -> None:
+        """The fault-tolerant mode: join the torchft quorum as this node (after :meth:`setup`, with the optimizer).
+
+        ``module`` and ``optimizer`` are what a joining node takes from a live peer (with the recovery state the
+        adapter adds to :attr:`quorum`); the first quorum syncs nodes that start together.
+        """
+        ft = self.settings.fault_tolerance
+        if ft is None:
+            raise RuntimeError(f"{self.owner}: join_quorum needs settings.fault_tolerance.")
+        if self.layout is None:
+            raise RuntimeError(f"{self.owner}: set up the module before joining the quorum.")
+        self.quorum.join(ft, model=module, optimizer=optimizer, replicator=None, device=device, owner=self.owner)
+
     def teardown(self) -> None:
         self.remove_masks()
+        self.quorum.leave()
 
     # ----------------------------------------------------------------------------------------- neuron masks
     def _install_masks(self, module: nn.Module) -> None:
@@ -284,10 +334,13 @@ class MatFormerRuntime(StrategyRuntime):
         """Forward pre-hook of an FFN output projection: zero the hidden units this rank does not train.
 
         The product zeroes both their contribution and every gradient through them. Training forwards use the
-        prefix plus this step's helper draw; evaluation forwards use the prefix only (the tier's own model).
+        prefix plus this step's helper draw; evaluation forwards use the prefix only (the tier's own model), except in
+        the fault-tolerant mode, where every node holds the same full model and evaluates it whole.
         """
         hidden = args[0]
         training = projection.training
+        if not training and self.settings.fault_tolerance is not None:
+            return args  # every node holds the same full model: evaluate it whole, like rank 0 (TierEvaluation's tiers)
         step = self.step_fn() if training and self.helpers else 0
         key = (layer, training, step // self.settings.helper_redraw_every)
         mask = self._masks.get(key)
@@ -323,6 +376,9 @@ class MatFormerRuntime(StrategyRuntime):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grads[name] = param.grad
+        if self.settings.fault_tolerance is not None:
+            self._sync_over_quorum(grads)
+            return
         aggregate_gradients(
             grads,
             self.ffn_params,
@@ -336,6 +392,24 @@ class MatFormerRuntime(StrategyRuntime):
         )
         if self.exchange is not None:
             self.exchange.check_loaded_state_used()
+
+    def _sync_over_quorum(self, grads: dict[str, Tensor]) -> None:
+        """The fault-tolerant mode: the per-region mean over the quorum's participants (:mod:`.ft_exchange`).
+
+        A refused peer payload fails this step's commit on every node (they all refuse the same authenticated bytes):
+        the gradients stay as they are, nothing is applied, and the step is tried again in a new quorum.
+        """
+        replica = self.quorum.replica
+        if replica is None:
+            raise RuntimeError(f"{self.owner}: the fault-tolerant mode exchanges over the quorum; join it first.")
+        full_sizes = [block.full_size for block in sorted(self.blocks, key=lambda b: b.layer)]
+        try:
+            self.participant_widths = exchange_gradients(
+                replica.gather_bytes, self.local_widths, grads, self.ft_specs, full_sizes
+            )
+        except PeerPayloadError as error:
+            log.warning("%s", error)
+            replica.manager.report_error(error)
 
     def clip_grad_norm_(
         self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -371,7 +445,10 @@ class MatFormerRuntime(StrategyRuntime):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def extra_checkpoint_state(self, device: torch.device) -> dict[str, Any] | None:
-        """``mode="demo"``: every rank's error-feedback buffers, on rank 0 (collective; None elsewhere or off)."""
+        """``mode="demo"``: every rank's error-feedback buffers, on rank 0 (collective; None elsewhere or off); the
+        fault-tolerant mode: torchft's committed step."""
+        if self.settings.fault_tolerance is not None:
+            return self.quorum.checkpoint_state()
         if self.exchange is None:
             return None
         ranks = self.exchange.gather_state(device)
@@ -383,6 +460,9 @@ class MatFormerRuntime(StrategyRuntime):
         A checkpoint without the entry (saved in another mode) or from another world size resets them to zero, with
         a warning: training goes on, but not bit-identically.
         """
+        if self.settings.fault_tolerance is not None:
+            self.quorum.load_checkpoint_state(entry)
+            return
         if self.settings.mode != "demo":
             return
         initialized = dist.is_available() and dist.is_initialized()

@@ -14,12 +14,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
 
-from lightning_hetero.core.settings import check_choice, check_int
+from lightning_hetero.core.settings import check_choice, check_int, check_nested
+from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.hetero.batch_share import check_batch_share
 from lightning_hetero.hetero.tier_settings import AutoTierSettings
 from lightning_hetero.replication.settings import ReplicationSettings
 
-__all__ = ["DEFAULT_SETTINGS", "AggregationMode", "MatFormerSettings", "TierEntry", "as_list", "expand_entries"]
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "AggregationMode",
+    "MatFormerSettings",
+    "TierEntry",
+    "as_list",
+    "expand_entries",
+    "node_entry",
+]
 
 TierEntry = int | list[int]
 """One rank's (or node's) tier or width: one value for every FFN, or one per FFN (Mix'n'Match)."""
@@ -75,6 +84,15 @@ class MatFormerSettings:
             size x batch_size``; each rank's contribution to a region's mean is weighted by its micro-batch (times
             its ``tier_weights`` entry), so with ``mode="mean"`` and one tier a step equals the mean gradient over
             the global batch.
+        fault_tolerance: The fault-tolerant (spot worker) mode on torchft (``docs/spot.md``, "MatFormer nodes"): every
+            node is its own launch of ONE rank and one replica group behind a lighthouse, holding the full model
+            (``slice_weights=False``); nodes of any tier may die and rejoin while the others keep training, a joiner
+            being healed from a live peer. ``tiers`` (or ``widths``) then has one entry per node, indexed by the
+            node's replica-group index (``fault_tolerance.replica_rank``, else the trailing digits of its
+            ``REPLICA_GROUP_ID``), so one YAML serves every node; its first entry need not be tier 0. Each step the
+            gradients are averaged per region over the nodes of the quorum that trained it
+            (:mod:`~lightning_hetero.matformer.ft_exchange`). Needs ``mode="mean"``, no ``tier_weights``, helpers or
+            ``batch_share``, explicit tiers (not ``"auto"``). None (default): the restart-based path.
     """
 
     RENAMED: ClassVar[dict[str, str]] = {
@@ -106,6 +124,7 @@ class MatFormerSettings:
     on_bad_payload: Literal["raise", "drop"] = "raise"
     auto_tiers: AutoTierSettings | None = None
     batch_share: Literal["auto"] | tuple[float, ...] | None = None
+    fault_tolerance: FaultToleranceSettings | None = None
 
     def __post_init__(self) -> None:
         if self.tiers is not None and self.widths is not None:
@@ -116,7 +135,8 @@ class MatFormerSettings:
         self._check_auto()
         given = self.tiers if self.tiers is not None and not self.auto else self.widths
         entries = None if given is None else _check_entries(self.unit, given)
-        if self.unit == "tier" and entries is not None and any(as_list(entries[0])):
+        per_node = self.fault_tolerance is not None  # every node holds the full model: any node may be first
+        if self.unit == "tier" and entries is not None and any(as_list(entries[0])) and not per_node:
             raise ValueError(
                 f"{_OWNER}.tiers={list(entries)}: global rank 0 must be tier 0, because it holds the full model that "
                 "is checkpointed and exported. Put a tier-0 rank (or node) first, e.g. tiers=[0, 1, 2]."
@@ -133,6 +153,7 @@ class MatFormerSettings:
                 raise ValueError(f"{_OWNER}.{name}={getattr(self, name)!r}: use true or false.")
         check_choice(_OWNER, "on_bad_payload", self.on_bad_payload, ("raise", "drop"))
         object.__setattr__(self, "batch_share", check_batch_share(_OWNER, self.batch_share))
+        self._check_fault_tolerance(entries)
 
     # ------------------------------------------------------------------------------------------------ derived
     @property
@@ -179,11 +200,8 @@ class MatFormerSettings:
         if self.auto and self.widths is not None:
             raise ValueError(f"{_OWNER}.tiers='auto' and {_OWNER}.widths={self.widths!r}: give one of them, not both.")
         if self.auto_tiers is not None:
-            if not isinstance(self.auto_tiers, AutoTierSettings):
-                raise ValueError(
-                    f"{_OWNER}.auto_tiers={self.auto_tiers!r}: use AutoTierSettings(candidates=..., max_slowdown=..., "
-                    "...) (in YAML: a mapping of those keys)."
-                )
+            keys = "candidates=..., max_slowdown=..., ..."
+            check_nested(_OWNER, "auto_tiers", self.auto_tiers, AutoTierSettings, keys)
             if not self.auto:
                 raise ValueError(
                     f"{_OWNER}.auto_tiers is set but tiers={self.tiers!r}: auto_tiers only applies to tiers='auto'; "
@@ -218,15 +236,47 @@ class MatFormerSettings:
         if isinstance(self.helper_seed, bool) or not isinstance(self.helper_seed, int):
             raise ValueError(f"{_OWNER}.helper_seed={self.helper_seed!r}: use an int.")
 
+    def _check_fault_tolerance(self, entries: list[TierEntry] | None) -> None:
+        ft = self.fault_tolerance
+        if ft is None:
+            return
+        keys = "lighthouse=..., min_replicas=..., ..."
+        check_nested(_OWNER, "fault_tolerance", ft, FaultToleranceSettings, keys, fix=", or None; see docs/spot.md")
+        where = f"{_OWNER}.fault_tolerance is set (the spot worker mode, docs/spot.md)"
+        if self.auto:
+            raise ValueError(
+                f"{where} but tiers='auto': a node that joins mid-run cannot measure the others. Give every node's tier"
+                " explicitly, one entry per replica group indexed by its REPLICA_GROUP_ID, e.g. tiers: [0, 1, 1]."
+            )
+        if self.slice_weights:
+            raise ValueError(
+                f"{where} with slice_weights=True: a node is healed from a live peer of any tier, so every node holds "
+                "the full weights and trains its prefix through a mask. Set slice_weights: false."
+            )
+        refused = {
+            "mode": (self.mode != "mean", "only the per-region mean runs over the quorum; set mode: mean"),
+            "tier_weights": (self.tier_weights is not None, "the quorum's mean weighs every node alike; remove it"),
+            "helper_fraction": (self.helper_fraction > 0, "helpers are not exchanged over the quorum; set it to 0"),
+            "batch_share": (self.batch_share is not None, "every node is its own launch of one rank; remove it"),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ValueError(f"{where} with {name}={getattr(self, name)!r}: {fix}.")
+        groups = ft.num_replica_groups
+        if entries is not None and groups is not None and len(entries) != groups:
+            name = "tiers" if self.unit == "tier" else "widths"
+            raise ValueError(
+                f"{_OWNER}.{name}={list(entries)} has {len(entries)} entries but fault_tolerance.num_replica_groups="
+                f"{groups}: in the spot worker mode give one entry per replica group (node {groups - 1} reads entry "
+                f"{groups - 1}); see docs/spot.md."
+            )
+
     def _check_replication(self) -> None:
         replication = self.replication
         if replication is None:
             return
-        if not isinstance(replication, ReplicationSettings):
-            raise ValueError(
-                f"{_OWNER}.replication={replication!r}: use ReplicationSettings(kept_fraction=..., chunk=..., "
-                "values=..., index_bits=...) (in YAML: a mapping of those keys)."
-            )
+        keys = "kept_fraction=..., chunk=..., values=..., index_bits=..."
+        check_nested(_OWNER, "replication", replication, ReplicationSettings, keys)
         if self.mode != "demo":
             raise ValueError(
                 f"{_OWNER}.replication={replication!r} with mode={self.mode!r}: the replication settings only apply "
@@ -314,6 +364,33 @@ def expand_entries(owner: str, settings: MatFormerSettings, world_size: int, num
         f"{world_size} ranks ({num_nodes} node(s) x {world_size // max(num_nodes, 1)} devices). Give one entry "
         f"per global rank ({world_size}) or one per node ({num_nodes})."
     )
+
+
+def node_entry(owner: str, settings: MatFormerSettings) -> TierEntry:
+    """The fault-tolerant mode: this node's entry of ``tiers`` / ``widths`` (one per replica group), by its index.
+
+    The index is ``fault_tolerance.replica_rank``, else the trailing digits of the node's replica id
+    (``REPLICA_GROUP_ID=2`` or ``node-2``: 2). No entries: tier 0.
+
+    Raises:
+        ValueError: Not in the mode, the index cannot be resolved, or the list has no entry for it.
+    """
+    ft = settings.fault_tolerance
+    if ft is None:
+        raise ValueError(f"{owner}: node_entry needs settings.fault_tolerance (the spot worker mode).")
+    entries = settings.entries
+    if entries is None:
+        return 0
+    index = ft.resolve_replica_rank()
+    if index >= len(entries):
+        name = "tiers" if settings.unit == "tier" else "widths"
+        raise ValueError(
+            f"{owner}: this node is replica group {index} (fault_tolerance.replica_rank, or the trailing digits of "
+            f"its replica id {ft.resolve_replica_id()!r}), but settings.{name}={entries} has no entry {index}. Give "
+            "one entry per replica group (node i trains entry i), or start this node with a smaller "
+            "REPLICA_GROUP_ID; see docs/spot.md."
+        )
+    return entries[index]
 
 
 DEFAULT_SETTINGS = MatFormerSettings()

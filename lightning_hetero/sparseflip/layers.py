@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Self
 
 from lightning_hetero.sparseflip.quant import (
     dequantize,
@@ -65,6 +66,7 @@ class _LowBitWeight(nn.Module):
     def _init_weight(
         self,
         shape: tuple[int, ...],
+        bias: bool,
         kind: str,
         mode: str,
         granularity: str,
@@ -90,6 +92,20 @@ class _LowBitWeight(nn.Module):
                 self.scale = nn.Parameter(scale)
             else:
                 self.register_buffer("scale", scale)
+        self.bias = nn.Parameter(torch.zeros(shape[0], device=device, dtype=dtype)) if bias else None
+        dense = torch.empty(shape, device=device)
+        nn.init.kaiming_uniform_(dense, a=5**0.5)  # nn.Linear's and nn.Conv2d's default
+        self.load_dense_(dense)
+
+    def _load_dense_and_bias_(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, zero_fraction: float | None
+    ) -> Self:
+        """:meth:`load_dense_` ``weight``, copy ``bias`` (if any) and return the layer (the ``from_*`` builders)."""
+        self.load_dense_(weight.detach(), zero_fraction)
+        if bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(bias)
+        return self
 
     def load_dense_(self, weight: torch.Tensor, zero_fraction: float | None = None) -> None:
         """Set the weight from a dense fp tensor (output channel first): copied (ste) or quantized (flip).
@@ -169,11 +185,7 @@ class LowBitLinear(_LowBitWeight):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self._init_weight((out_features, in_features), kind, mode, granularity, device, dtype, trainable_scale)
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        dense = torch.empty(out_features, in_features, device=device)
-        nn.init.kaiming_uniform_(dense, a=5**0.5)  # nn.Linear's default
-        self.load_dense_(dense)
+        self._init_weight((out_features, in_features), bias, kind, mode, granularity, device, dtype, trainable_scale)
 
     @classmethod
     def from_dense(
@@ -200,11 +212,7 @@ class LowBitLinear(_LowBitWeight):
             weight.dtype,
             trainable_scale,
         )
-        layer.load_dense_(weight.detach(), zero_fraction)
-        if bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(bias)
-        return layer
+        return layer._load_dense_and_bias_(weight, bias, zero_fraction)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer."""
@@ -257,11 +265,7 @@ class LowBitConv2d(_LowBitWeight):
         self.kernel_size, self.stride, self.dilation = pair(kernel_size), pair(stride), pair(dilation)
         self.padding = padding if isinstance(padding, str) else pair(padding)
         shape = (out_channels, in_channels // groups, *self.kernel_size)
-        self._init_weight(shape, kind, mode, granularity, device, dtype, trainable_scale)
-        self.bias = nn.Parameter(torch.zeros(out_channels, device=device, dtype=dtype)) if bias else None
-        dense = torch.empty(shape, device=device)
-        nn.init.kaiming_uniform_(dense, a=5**0.5)
-        self.load_dense_(dense)
+        self._init_weight(shape, bias, kind, mode, granularity, device, dtype, trainable_scale)
 
     @classmethod
     def from_conv2d(
@@ -294,11 +298,7 @@ class LowBitConv2d(_LowBitWeight):
             conv.weight.dtype,
             trainable_scale,
         )
-        layer.load_dense_(conv.weight.detach(), zero_fraction)
-        if conv.bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(conv.bias)
-        return layer
+        return layer._load_dense_and_bias_(conv.weight, conv.bias, zero_fraction)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer."""

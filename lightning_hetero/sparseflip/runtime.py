@@ -58,13 +58,10 @@ class SparseFlipRuntime(StrategyRuntime):
     restore_after_setup = True  # checkpoints hold codes and scales, which exist only after conversion
     checkpoint_key = "sparseflip"
 
+    settings: SparseFlipSettings
+
     def __init__(self, settings: SparseFlipSettings, owner: str = "SparseFlipStrategy") -> None:
-        if not isinstance(settings, SparseFlipSettings):
-            raise TypeError(
-                f"{owner}: settings={settings!r} is not a SparseFlipSettings; pass settings=SparseFlipSettings(...)."
-            )
-        self.settings = settings
-        self.owner = owner
+        self._attach_settings(settings, SparseFlipSettings, owner)
         self._skip = tuple(DEFAULT_SKIP if settings.skip is None else settings.skip)
         # "local_bop" keeps a momentum per code on every rank: that is its memory, so no residual on top of it.
         self.error_feedback = settings.exchange.error_feedback and settings.flip.rule != "local_bop"

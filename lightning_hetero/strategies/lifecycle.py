@@ -44,7 +44,7 @@ from lightning_hetero.reliability.checkpoints import verify_resume_checkpoint
 from lightning_hetero.reliability.shutdown import destroy_process_group_at_exit
 from lightning_hetero.reliability.timeouts import inherit_group_timeout
 
-__all__ = ["FabricStrategyBase", "TrainerStrategyBase"]
+__all__ = ["FabricStrategyBase", "ReplacingFabricStrategyBase", "TrainerStrategyBase"]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -207,6 +207,19 @@ class TrainerStrategyBase(_RuntimeLifecycle[SettingsT], TrainerDDPStrategy):
         )
         self._sync_blocked = False
         self._clipping_patched = False
+
+    def _only_optimizer(self, why: str) -> Optimizer:
+        """The one optimizer ``configure_optimizers`` returned.
+
+        Raises:
+            ValueError: It returned none or several, saying ``why`` one is needed.
+        """
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{self.runtime.owner} needs exactly one optimizer from configure_optimizers, got "
+                f"{len(self.optimizers)}: {why}."
+            )
+        return self.optimizers[0]
 
     def _use_runtime_clipping(self) -> None:
         """Make ``gradient_clip_val`` clip with ``runtime.clip_grad_norm_`` (undone in ``teardown``)."""
@@ -454,3 +467,25 @@ class FabricStrategyBase(_RuntimeLifecycle[SettingsT], FabricDDPStrategy):
             else:
                 state[name] = checkpoint.pop(name)
         return checkpoint
+
+
+class ReplacingFabricStrategyBase(FabricStrategyBase[SettingsT]):
+    """A Fabric strategy whose ``setup_module`` replaces the model's parameters (by a stage, by flip codes).
+
+    The optimizers are built after it: ``fabric.setup(model, optimizer)`` with an optimizer built before raises.
+    """
+
+    setup_replaces: ClassVar[str] = "replaces the model's parameters"
+    """What ``setup_module`` does to the model, in the error of an optimizer built before it."""
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        self._require_optimizers_follow(module, optimizers, self.setup_replaces)
+        return module, optimizers, scheduler
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["without_callback_metrics"]
+__all__ = ["log_step_metrics", "without_callback_metrics"]
 
 
 def without_callback_metrics(trainer: Any, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -18,3 +18,12 @@ def without_callback_metrics(trainer: Any, metrics: Mapping[str, float]) -> dict
     present = [] if trainer is None else trainer.callbacks
     callbacks = [cb for cb in present if callable(getattr(cb, "logs_metric", None))]
     return {name: value for name, value in metrics.items() if not any(cb.logs_metric(name) for cb in callbacks)}
+
+
+def log_step_metrics(module: Any, metrics: Mapping[str, float]) -> None:
+    """Log a strategy's per-step ``metrics`` from ``module`` (rank 0's values), less those a callback logs itself; a
+    module outside a Trainer logs nothing."""
+    if module is None or module._trainer is None:
+        return
+    for name, value in without_callback_metrics(module._trainer, metrics).items():
+        module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero import comm
-from lightning_hetero.strategies.lifecycle import FabricStrategyBase, SettingsT, TrainerStrategyBase
+from lightning_hetero.strategies.lifecycle import ReplacingFabricStrategyBase, SettingsT, TrainerStrategyBase
 
 __all__ = ["METRICS_LABEL", "PipelineFabricStrategy", "PipelineTrainerStrategy", "first_batch_dim"]
 
@@ -220,7 +220,7 @@ class PipelineTrainerStrategy(_StageViews, TrainerStrategyBase[SettingsT]):
         raise NotImplementedError(self.predict_refusal)
 
 
-class PipelineFabricStrategy(_StageViews, FabricStrategyBase[SettingsT]):
+class PipelineFabricStrategy(_StageViews, ReplacingFabricStrategyBase[SettingsT]):
     """Fabric base of the pipeline strategies: ``setup_module`` gives this rank's stage; ``fabric.backward`` is refused.
 
     The optimizers must be built after ``setup_module`` (the model's parameters are replaced by the stage's).
@@ -230,6 +230,7 @@ class PipelineFabricStrategy(_StageViews, FabricStrategyBase[SettingsT]):
     """The error for ``precision='16-mixed'``."""
     backward_refusal: ClassVar[str] = "fabric.backward() is not used: strategy.train_step(batch) runs backward."
     """The error of ``fabric.backward``."""
+    setup_replaces = "replaces the model by this rank's stage"
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -237,18 +238,6 @@ class PipelineFabricStrategy(_StageViews, FabricStrategyBase[SettingsT]):
             raise ValueError(self.fp16_mixed_refusal)
         self._claim_module(module)
         return self.runtime.setup(module, self.root_device, self.global_rank)
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        module = self.setup_module(module)
-        self._require_optimizers_follow(module, optimizers, "replaces the model by this rank's stage")
-        return module, optimizers, scheduler
-
-    @override
-    def module_to_device(self, module: nn.Module) -> None:
-        module.to(self.root_device)
 
     @property
     @override

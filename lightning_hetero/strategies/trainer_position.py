@@ -33,7 +33,7 @@ __all__ = [
     "follow_peer_mid_epoch",
 ]
 
-log = logging.getLogger("lightning_hetero.strategies.flexdemo.trainer")
+log = logging.getLogger(__name__)
 
 POSITION_KEYS: tuple[str, ...] = ("global_step", "batches_that_stepped", "epoch", "batches")
 """The Trainer position a live peer hands a joining replica group (recovery state ``"trainer_position"``)."""
@@ -83,7 +83,7 @@ class TrainerPosition:
         if not isinstance(self.trainer.train_dataloader, StatefulDataLoader) and not self._noted:
             self._noted = True
             log.warning(
-                "FlexDeMoStrategy (fault-tolerant mode): the train dataloader is a %s, not a single "
+                "fault-tolerant mode: the train dataloader is a %s, not a single "
                 "lightning_hetero.data.stateful.StatefulDataLoader, so its data position is per node and cannot "
                 "follow the survivors when this node rejoins (global_step does). Use a StatefulDataLoader to continue "
                 "at the survivors' epoch and batch on this node's own data.",
@@ -224,7 +224,7 @@ def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: i
     )
     if not movable:
         log.warning(
-            "FlexDeMoStrategy: healed from a peer mid-epoch; global_step follows it (%d), the data position stays "
+            "fault-tolerant mode: healed from a peer mid-epoch; global_step follows it (%d), the data position stays "
             "this node's (epoch %d, next batch %d; the peer's: epoch %d, next batch %d).",
             global_step,
             *own,
@@ -238,7 +238,7 @@ def follow_peer_mid_epoch(trainer: Any, epoch: int, batches: int, global_step: i
     fetcher.done = fetcher.fetched >= fetcher.length
     loop.batch_progress.is_last_batch = fetcher.done
     log.warning(
-        "FlexDeMoStrategy: healed from a peer mid-epoch at step %d; this node's data position moves %d batch(es) "
+        "fault-tolerant mode: healed from a peer mid-epoch at step %d; this node's data position moves %d batch(es) "
         "forward, to the peer's (epoch %d, next batch %d).",
         global_step,
         behind,

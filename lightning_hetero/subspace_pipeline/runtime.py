@@ -69,13 +69,12 @@ class SubspacePipelineRuntime(PipelinePlacement, StrategyRuntime):
     directory_checkpoint = True  # one part per stage (written by replica 0) plus meta.json
     restore_after_setup = True
 
+    settings: SubspacePipelineSettings
+
     def __init__(self, settings: SubspacePipelineSettings, owner: str = "SubspacePipelineStrategy") -> None:
         from lightning_hetero.subspace_pipeline.basis import SubspaceConfig
 
-        if not isinstance(settings, SubspacePipelineSettings):
-            raise TypeError(f"{owner}: settings={settings!r}; use SubspacePipelineSettings(...).")
-        self.settings = settings
-        self.owner = owner
+        self._attach_settings(settings, SubspacePipelineSettings, owner)
         self.config = SubspaceConfig(
             subspace_dim=settings.subspace_dim,
             dim_ratio=settings.resolved_dim_ratio(),

@@ -59,8 +59,8 @@ class FlexDeMoStrategy(FabricStrategyBase[FlexDeMoSettings]):
     ``comm/*`` metrics (e.g. ``fabric.log_dict(strategy.last_comm_metrics)``), and in the fault-tolerant mode
     ``ft/participants``, ``ft/committed`` and ``ft/step``.
 
-    Usage: ``FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2))``; in YAML,
-    ``strategy: {class_path: FlexDeMoStrategy, init_args: {settings: {shard_size: 2}}}``.
+    Usage: ``Fabric(strategy=FlexDeMoStrategy(settings=FlexDeMoSettings(shard_size=2)))``, or
+    ``Fabric(strategy="flexdemo")`` for the default settings; the loop is in the module docstring.
     """
 
     settings_class = FlexDeMoSettings

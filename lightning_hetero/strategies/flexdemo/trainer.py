@@ -29,7 +29,7 @@ and, with a :class:`~lightning_hetero.data.stateful.StatefulDataLoader`, at the 
 data; a node healed in place mid-epoch drops the batch it drew for the step it missed (not trained) and reads the
 committed step's batch next, so every step it commits trains that step's batch of its shard. With
 ``fault_tolerance.num_replica_groups`` the train loader reads this node's shard of the training set
-(:mod:`~lightning_hetero.strategies.flexdemo.replica_data`). Too few replica groups for longer than
+(:mod:`~lightning_hetero.strategies.replica_data`). Too few replica groups for longer than
 ``wait_for_replicas_s``: ``on_exception`` saves a verified checkpoint before the error ends ``fit``.
 """
 
@@ -53,13 +53,12 @@ from lightning_hetero.flexdemo.optim import DecoupledAdamW
 from lightning_hetero.flexdemo.precision import check_precision, compute_dtype_for
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.settings import DEFAULT_SETTINGS, FlexDeMoSettings
-from lightning_hetero.ft.waiting import ReplicasBelowMinimumError
 from lightning_hetero.hetero.batch_share import gradient_scale
 from lightning_hetero.strategies.batch_share import TrainerBatchShare
-from lightning_hetero.strategies.flexdemo.replica_data import save_below_minimum_checkpoint, shard_train_loader
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
-from lightning_hetero.strategies.metric_names import without_callback_metrics
-from lightning_hetero.strategies.trainer_position import TrainerPosition
+from lightning_hetero.strategies.metric_names import log_step_metrics
+from lightning_hetero.strategies.quorum_gate import QuorumGatedHooks, TrainerQuorumGate
+from lightning_hetero.strategies.replica_data import shard_train_loader
 
 __all__ = ["FlexDeMoStrategy"]
 
@@ -81,7 +80,7 @@ def _redirected_step(method: str, context: str) -> Callable[..., Any]:
     return override(step)
 
 
-class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
+class FlexDeMoStrategy(QuorumGatedHooks, TrainerStrategyBase[FlexDeMoSettings]):
     """FlexDeMo for the Trainer: FSDP2 per node, decoupled-momentum compressed replication across nodes.
 
     Works on any LightningModule (HF model built in ``__init__`` or ``configure_model``) with one optimizer:
@@ -98,8 +97,8 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     def __init__(self, settings: FlexDeMoSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`FlexDeMoSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
-        self._position: TrainerPosition | None = None
-        """Fault-tolerant mode: the Trainer position handed to and taken from peers (from ``setup_optimizers``)."""
+        self._gate = TrainerQuorumGate(self.runtime.quorum)
+        """The fault-tolerant mode's quorum-gated Lightning steps (no-ops outside it)."""
         self._batch_share = TrainerBatchShare(type(self).__name__)
         self._loss_scale = 1.0
         """``settings.batch_share``: ``world size x this rank's micro-batch / global batch`` (1.0 without)."""
@@ -160,14 +159,9 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{self.runtime.owner} needs exactly one optimizer from configure_optimizers, got "
-                f"{len(self.optimizers)}: FlexDeMo replicates one update per step."
-            )
+        original = self._only_optimizer("FlexDeMo replicates one update per step")
         module = self.lightning_module
         assert module is not None
-        original = self.optimizers[0]
         wanted = self.settings.overlap
         overlap = wanted and not self._clipping_configured(trainer) and module.automatic_optimization
         if wanted and not overlap:
@@ -183,18 +177,7 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
             repoint_scheduler(config.scheduler, original, converted)
         self.optimizers = [converted]
         self._use_runtime_clipping()
-        if self.runtime.quorum.active:
-            configs = list(self.lr_scheduler_configs)
-            # A joining replica must continue the survivors' schedule, not restart it (its lr would differ).
-            self.runtime.quorum.add_recovery_state(
-                "lr_schedulers",
-                lambda: [config.scheduler.state_dict() for config in configs],
-                lambda states: [c.scheduler.load_state_dict(s) for c, s in zip(configs, states, strict=True)],
-            )
-            self._position = TrainerPosition(trainer)
-            self.runtime.quorum.add_recovery_state(
-                "trainer_position", self._position.state_dict, self._position.load_state_dict
-            )
+        self._gate.attach(trainer, self.lr_scheduler_configs)
 
     def _clipping_configured(self, trainer: Any) -> bool:
         module = self.lightning_module
@@ -254,64 +237,17 @@ class FlexDeMoStrategy(TrainerStrategyBase[FlexDeMoSettings]):
     predict_step = _redirected_step("predict_step", "predict_step_context")
 
     @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        position = self._position
-        if self.runtime.quorum.active and position is not None:
-            position.start()
-            # The first quorum before the first batch is drawn: a joiner healed here can still move its data position.
-            self.runtime.quorum.start_step()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        position = self._position
-        if self.runtime.quorum.active and position is not None:
-            position.first_batch()
-        self.runtime.quorum.begin_batch()
-        self.runtime.quorum.start_step()  # fault-tolerant mode: the quorum (and any healing) before the forward
-
-    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self.runtime.before_step()
         parent = super()
-        closure_runs = [0]
-
-        def counted_closure() -> Any:
-            closure_runs[0] += 1
-            return closure()
-
-        def drop_batch() -> None:
-            # Lightning needs the closure's result once; no exchange runs, nothing is applied.
-            if not closure_runs[0]:
-                counted_closure()
-
-        # Fault-tolerant mode: a discarded try runs again (closure: forward and backward on the same batch) in a new
-        # quorum, so every node's global_step, LR schedulers and data position count committed steps only; a batch
-        # whose step the quorum committed without this node (healed in place past it) is dropped instead.
-        quorum = self.runtime.quorum
-        output = quorum.committed_step(
-            lambda: parent.optimizer_step(optimizer, counted_closure, model, **kwargs), retry=True, abandon=drop_batch
-        )
-        if quorum.last_abandoned and self._position is not None:
-            self._position.drop_batch_in_flight()
+        # Fault-tolerant mode: kept only if the quorum commits it (FlexDeMo's exchange runs inside the step).
+        output = self._gate.optimizer_step(lambda run: parent.optimizer_step(optimizer, run, model, **kwargs), closure)
         metrics = self.runtime.after_step()  # always: it re-arms the hooks and runs the drift guard
         if not self.settings.log_comm_stats:
             metrics = {}
         metrics.update(self.runtime.quorum.metrics())
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            for name, value in without_callback_metrics(module._trainer, metrics).items():
-                module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        log_step_metrics(self.lightning_module, metrics)
         return output
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if isinstance(exception, ReplicasBelowMinimumError) and trainer is not None:
-            # Too few replica groups for too long: keep this node's committed state, then stop with how to resume.
-            save_below_minimum_checkpoint(trainer, exception)
-        super().on_exception(exception)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override

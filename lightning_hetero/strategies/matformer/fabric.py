@@ -69,6 +69,12 @@ class MatFormerStrategy(FabricStrategyBase[MatFormerSettings]):
     def __init__(self, settings: MatFormerSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
+        if self.settings.fault_tolerance is not None:
+            raise ValueError(
+                "lightning_hetero.fabric.MatFormerStrategy(settings.fault_tolerance=...): the fault-tolerant (spot "
+                "worker) mode of MatFormer runs in the Trainer only (its steps are gated on the quorum's commit). Use "
+                "lightning_hetero.MatFormerStrategy with a Trainer, or drop fault_tolerance; see docs/spot.md."
+            )
         self.step = 0
         """Optimizer steps so far (one per gradient sync); selects the helper draw."""
         self._probe: ProbeStep | None = None

@@ -17,12 +17,21 @@ How it plugs into the Trainer (narrow hooks of ``DDPStrategy``; there is no DDP 
   skipped for the non-final micro-batches of gradient accumulation (``block_backward_sync``).
 - ``load_model_state_dict`` / ``load_optimizer_state_dict``: rank 0's full checkpoint is cut to each rank's shapes.
 - ``on_train_end``: every rank gets rank 0's full model back, so ``validate``/``test`` afterwards work as with DDP.
+
+The fault-tolerant mode (``settings.fault_tolerance``, ``docs/spot.md``, "MatFormer nodes"): each launch is one node of
+one rank, a torchft replica group holding the full (masked) model at its own tier. ``setup_optimizers`` joins the
+quorum (LR schedulers and the Trainer's position travel with a heal), ``on_train_start`` / ``on_train_batch_start``
+join each step's quorum before the forward (a joiner is healed there), ``post_backward`` averages per region over the
+quorum's participants, and ``optimizer_step`` keeps a step only if the quorum commits it (else it runs again on the same
+batch; a node healed in place past its batch's step drops that batch), so ``global_step`` counts committed steps;
+``ft/*`` and ``comm/inter/bytes_sent_step`` are logged. With
+``fault_tolerance.num_replica_groups`` the node reads its own shard of the training set.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +50,9 @@ from lightning_hetero.matformer.runtime import MatFormerRuntime
 from lightning_hetero.matformer.settings import DEFAULT_SETTINGS, MatFormerSettings
 from lightning_hetero.strategies.batch_share import TrainerBatchShare
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
+from lightning_hetero.strategies.metric_names import log_step_metrics
+from lightning_hetero.strategies.quorum_gate import QuorumGatedHooks, TrainerQuorumGate
+from lightning_hetero.strategies.replica_data import shard_train_loader
 
 __all__ = ["TIER_LOSS_LABEL", "MatFormerStrategy"]
 
@@ -48,7 +60,7 @@ TIER_LOSS_LABEL = "metrics"
 """Ledger label of the per-tier loss all-reduce (``settings.log_tier_losses``), kept apart from the gradient bytes."""
 
 
-class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
+class MatFormerStrategy(QuorumGatedHooks, TrainerStrategyBase[MatFormerSettings]):
     """Tiered MatFormer DDP for the Trainer: each rank trains its own FFN prefix of one shared model.
 
     Works on any LightningModule whose FFNs the adapter registry finds (an HF model anywhere in the module tree, built
@@ -66,6 +78,10 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
         """Takes a :class:`MatFormerSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
         super().__init__(settings, **kwargs)
         self._batch_share = TrainerBatchShare(type(self).__name__)
+        self._gate = TrainerQuorumGate(self.runtime.quorum)
+        """The fault-tolerant mode's quorum-gated Lightning steps (no-ops outside it)."""
+        self._dropping_batch = False
+        """Fault-tolerant mode: the batch in flight is dropped (its step was committed without this node)."""
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -109,6 +125,17 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
                 )
             # Ranks hold different coordinates, so a local norm differs per rank; clip with the full model's norm.
             self._use_runtime_clipping()
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.settings.fault_tolerance is None:
+            return
+        optimizer = self._only_optimizer("in the fault-tolerant mode a joining node is healed with one optimizer state")
+        module = self.lightning_module
+        assert module is not None
+        self.runtime.join_quorum(module, optimizer, self.root_device)
+        self._gate.attach(trainer, self.lr_scheduler_configs)
 
     def _probe_step(self, module: LightningModule) -> ProbeStep | None:
         """``tiers: auto``: ``training_step`` on the first batch of the train dataloader, run on a copy of ``module``
@@ -158,6 +185,10 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
         """``settings.batch_share``: the train loader's micro-batches by speed, and every rank's micro-batch as its
         weight in each region's mean (``docs/batch_share.md``). Other loaders are left as they are."""
         dataloader = super().process_dataloader(dataloader)
+        ft = self.settings.fault_tolerance
+        if ft is not None and self._batch_share.applies(self):
+            # Every node is its own launch: its shard of the one training set comes from its replica-group index.
+            dataloader = shard_train_loader(dataloader, ft, group_rank=0, group_size=1, owner=self.runtime.owner)
         share = self.settings.batch_share
         if share is None or not self._batch_share.applies(self):
             return dataloader
@@ -171,7 +202,7 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         module = self.lightning_module
-        if self._sync_blocked or module is None:
+        if self._sync_blocked or self._dropping_batch or module is None:
             return
         self.runtime.sync_gradients(module, self._global_step())
 
@@ -200,6 +231,33 @@ class MatFormerStrategy(TrainerStrategyBase[MatFormerSettings]):
             if totals[len(names) + index] > 0:
                 value = (totals[index] / totals[len(names) + index]).float()
                 module.log(f"train/loss_{name}", value, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        quorum = self.runtime.quorum
+        if not quorum.active:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        parent = super()
+        sent_before = comm.get_ledger().totals(comm.INTER).sent
+        # Kept only if the quorum commits it (the closure's backward runs the quorum's exchange, post_backward).
+        output = self._gate.optimizer_step(
+            lambda run: parent.optimizer_step(optimizer, run, model, **kwargs),
+            closure,
+            run_without_exchange=self._without_exchange,
+        )
+        # What this node handed to torchft's Manager for the step, discarded tries included (docs/metrics.md's name).
+        metrics = {"comm/inter/bytes_sent_step": float(comm.get_ledger().totals(comm.INTER).sent - sent_before)}
+        metrics.update(quorum.metrics())
+        log_step_metrics(self.lightning_module, metrics)
+        return output
+
+    def _without_exchange(self, run: Callable[[], Any]) -> Any:
+        """Run a dropped batch's closure: its backward must not exchange (``post_backward`` skips the sync)."""
+        self._dropping_batch = True
+        try:
+            return run()
+        finally:
+            self._dropping_batch = False
 
     @override
     def on_train_end(self) -> None:

@@ -20,21 +20,21 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.sparseflip.runtime import SparseFlipRuntime
 from lightning_hetero.sparseflip.settings import DEFAULT_SETTINGS, SparseFlipSettings
-from lightning_hetero.strategies.lifecycle import FabricStrategyBase
+from lightning_hetero.strategies.lifecycle import ReplacingFabricStrategyBase
 
 __all__ = ["SparseFlipStrategy"]
 
 
-class SparseFlipStrategy(FabricStrategyBase[SparseFlipSettings]):
+class SparseFlipStrategy(ReplacingFabricStrategyBase[SparseFlipSettings]):
     """Fabric strategy: ternary/binary weights trained by flips, sparse code-gradient exchange between ranks."""
 
     settings_class = SparseFlipSettings
     runtime_class = SparseFlipRuntime
+    setup_replaces = "replaces the Linear/Conv weights by flip codes"
 
     def __init__(self, settings: SparseFlipSettings = DEFAULT_SETTINGS, **kwargs: Any) -> None:
         """Takes a :class:`SparseFlipSettings`; ``**kwargs`` are Lightning's arguments (see the base class)."""
@@ -50,18 +50,6 @@ class SparseFlipStrategy(FabricStrategyBase[SparseFlipSettings]):
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._claim_module(module)
         return self.runtime.setup(module, self.root_device)
-
-    @override
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        module = self.setup_module(module)
-        self._require_optimizers_follow(module, optimizers, "replaces the Linear/Conv weights by flip codes")
-        return module, optimizers, scheduler
-
-    @override
-    def module_to_device(self, module: nn.Module) -> None:
-        module.to(self.root_device)
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:

@@ -29,7 +29,7 @@ from lightning_hetero.sparseflip.layers import lowbit_layers
 from lightning_hetero.sparseflip.runtime import SparseFlipRuntime
 from lightning_hetero.sparseflip.settings import DEFAULT_SETTINGS, SparseFlipSettings
 from lightning_hetero.strategies.lifecycle import TrainerStrategyBase
-from lightning_hetero.strategies.metric_names import without_callback_metrics
+from lightning_hetero.strategies.metric_names import log_step_metrics
 
 __all__ = ["SparseFlipStrategy", "lowbit_summary"]
 
@@ -91,8 +91,6 @@ class SparseFlipStrategy(TrainerStrategyBase[SparseFlipSettings]):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         metrics = self.runtime.after_optimizer_step()
-        module = self.lightning_module
-        if self.settings.log_comm_stats and module is not None and module._trainer is not None:
-            for name, value in without_callback_metrics(module._trainer, metrics).items():
-                module.log(name, value, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        if self.settings.log_comm_stats:
+            log_step_metrics(self.lightning_module, metrics)
         return output

@@ -68,7 +68,7 @@ def _ft(group: int, groups: int | None = 2, lighthouse: str = "http://localhost:
 
 
 def _shard(group: int, loader: DataLoader, epoch: int = 0) -> list[list[int]]:
-    from lightning_hetero.strategies.flexdemo.replica_data import shard_train_loader
+    from lightning_hetero.strategies.replica_data import shard_train_loader
 
     sharded = shard_train_loader(loader, _ft(group), group_rank=0, group_size=1, owner="FlexDeMoStrategy")
     sharded.sampler.set_epoch(epoch)
@@ -90,7 +90,7 @@ def test_two_groups_draw_disjoint_shards_of_one_shuffled_order(epoch):
 
 
 def test_an_unshuffled_loader_is_dealt_in_order_and_the_loader_type_is_kept():
-    from lightning_hetero.strategies.flexdemo.replica_data import shard_train_loader
+    from lightning_hetero.strategies.replica_data import shard_train_loader
 
     loader = StatefulDataLoader(_dataset(), batch_size=5, shuffle=False)
     sharded = shard_train_loader(loader, _ft(1), group_rank=0, group_size=1, owner="FlexDeMoStrategy")
@@ -99,7 +99,7 @@ def test_an_unshuffled_loader_is_dealt_in_order_and_the_loader_type_is_kept():
 
 
 def test_ranks_of_a_group_and_the_groups_tile_the_data():
-    from lightning_hetero.strategies.flexdemo.replica_data import shard_train_loader
+    from lightning_hetero.strategies.replica_data import shard_train_loader
 
     seen = []
     for group in (0, 1):
@@ -111,7 +111,7 @@ def test_ranks_of_a_group_and_the_groups_tile_the_data():
 
 
 def test_without_num_replica_groups_the_loader_is_unchanged_and_a_warning_says_why(caplog):
-    from lightning_hetero.strategies.flexdemo import replica_data
+    from lightning_hetero.strategies import replica_data
 
     loader = StatefulDataLoader(_dataset(), batch_size=4, shuffle=True)
     replica_data._warned_unsharded.discard("Owner")
@@ -138,7 +138,7 @@ class _Stream(IterableDataset):
     ],
 )
 def test_a_loader_that_cannot_be_cut_is_refused_naming_the_setting(loader, words):
-    from lightning_hetero.strategies.flexdemo.replica_data import shard_train_loader
+    from lightning_hetero.strategies.replica_data import shard_train_loader
 
     with pytest.raises(ValueError, match=r"num_replica_groups=2\)") as caught:
         shard_train_loader(loader(), _ft(0), group_rank=0, group_size=1, owner="FlexDeMoStrategy")

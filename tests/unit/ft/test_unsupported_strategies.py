@@ -1,5 +1,6 @@
-"""``settings.fault_tolerance`` under a strategy without the fault-tolerant mode (MatFormer, sparseflip, ...): the CLI
-says which strategy has it and names docs/spot.md, instead of jsonargparse's "unrecognized arguments"."""
+"""``settings.fault_tolerance`` under a strategy without the fault-tolerant mode (sparseflip, the subspace pipeline,
+...): the CLI says which strategies have it (FlexDeMo, MatFormer) and names docs/spot.md, instead of jsonargparse's
+"unrecognized arguments"; under FlexDeMo and MatFormer the key is theirs."""
 
 from __future__ import annotations
 
@@ -15,20 +16,23 @@ REPO = Path(__file__).resolve().parents[3]
 
 FLAG_ERROR = """Parser key "trainer.strategy":
   Does not validate against any of the types in typing.Union[str, lightning.pytorch.strategies.strategy.Strategy]:
-    - Problem with given class_path 'lightning_hetero.MatFormerStrategy':
+    - Problem with given class_path 'lightning_hetero.SparseFlipStrategy':
         unrecognized arguments: --settings.fault_tolerance.min_replicas=2
   Given value type: <class 'jsonargparse._util.NestedArg'>"""
 
 
-def test_a_fault_tolerance_flag_under_matformer_names_the_strategy_that_has_the_mode():
+def test_a_fault_tolerance_flag_under_sparseflip_names_the_strategies_that_have_the_mode():
     message = fault_tolerance_message(FLAG_ERROR)
-    assert message is not None and message.startswith("MatFormerStrategy does not run in the fault-tolerant")
-    assert "FlexDeMoStrategy with settings.fault_tolerance" in message and "docs/spot.md" in message
+    assert message is not None and message.startswith("SparseFlipStrategy does not run in the fault-tolerant")
+    assert "FlexDeMoStrategy" in message and "MatFormerStrategy" in message and "docs/spot.md" in message
+    subspace = fault_tolerance_message(FLAG_ERROR.replace("SparseFlipStrategy", "SubspacePipelineStrategy"))
+    assert subspace is not None and subspace.startswith("SubspacePipelineStrategy does not run")
 
 
-def test_other_errors_and_flexdemo_are_left_to_the_other_messages():
+@pytest.mark.parametrize("strategy", ["FlexDeMoStrategy", "MatFormerStrategy"])
+def test_other_errors_and_the_strategies_with_the_mode_are_left_to_the_other_messages(strategy):
     assert fault_tolerance_message(FLAG_ERROR.replace("fault_tolerance", "fault_tol")) is None
-    assert fault_tolerance_message(FLAG_ERROR.replace("MatFormerStrategy", "FlexDeMoStrategy")) is None
+    assert fault_tolerance_message(FLAG_ERROR.replace("SparseFlipStrategy", strategy)) is None
 
 
 @pytest.mark.timeout(120)

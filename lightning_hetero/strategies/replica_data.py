@@ -1,5 +1,5 @@
-"""The train loader of a fault-tolerant FlexDeMo node (``docs/spot.md``): its own shard, and the checkpoint it keeps
-when too few nodes stay.
+"""The train loader of a fault-tolerant node (FlexDeMo, MatFormer; ``docs/spot.md``): its own shard, and the checkpoint
+it keeps when too few nodes stay.
 
 - :func:`shard_train_loader`: the Trainer's train loader rebuilt around
   :func:`~lightning_hetero.ft.data.replica_group_sampler` (torchft's ``DistributedSampler`` over replica groups), so
@@ -36,7 +36,7 @@ from lightning_hetero.strategies.trainer_position import batches_in_flight
 
 __all__ = ["save_below_minimum_checkpoint", "shard_train_loader"]
 
-log = logging.getLogger("lightning_hetero.strategies.flexdemo.trainer")
+log = logging.getLogger(__name__)
 
 _warned_unsharded: set[str] = set()
 
