@@ -311,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             f"recipes/spot/spot_trainer_worker.py --lighthouse http://localhost:PORT "
             f"--out DIR --min-replicas {MIN_REPLICAS} " + " ".join([*common, "--shard-groups", str(NODES)])
         )
-        shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in (str(args.work), "--work")]
-        result["command"] = " ".join(["python recipes/spot/spot_recipe.py", *shown])  # --work only keeps the logs
+        given = list(argv if argv is not None else sys.argv[1:])
+        paths = {"--work", "--out", str(args.work), str(args.out)}  # where logs and results go: not how the run ran
+        shown = [a for a in given if a not in paths and not a.startswith(("--work=", "--out="))]
+        result["command"] = " ".join(["python recipes/spot/spot_recipe.py", *shown])
         result["git_revision"] = revision.stdout.strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -370,6 +372,7 @@ def summarize(
         "final_replicas_identical": len({f["digest"] for f in finals}) == 1,
         "stranded_at_stop": stranded,
         **report.batch_checks(records),
+        "batches_dropped_after_in_place_heals": report.dropped_batches(records),
         "val_loss": finals[0]["val_loss"],
         "val_loss_one_node": lone["val_loss"],
         "val_loss_vs_one_node_pct": report.pct(finals[0]["val_loss"], lone["val_loss"]),

@@ -121,6 +121,16 @@ def batch_checks(records: dict[int, list[Record]]) -> dict[str, Any]:
     }
 
 
+def dropped_batches(records: dict[int, list[Record]]) -> int:
+    """Batches the nodes dropped after an in-place heal (drawn for a step committed without them): each process's
+    last count (``abandoned``; a restarted node counts from 0 again), summed."""
+    last: dict[tuple[int, int], int] = {}
+    for node, node_records in records.items():
+        for record in steps(node_records):
+            last[(node, record["pid"])] = int(record.get("abandoned", 0))
+    return sum(last.values())
+
+
 def steps_lost(records: dict[int, list[Record]]) -> int:
     """Committed steps (1 ... the last) missing from the union of every node's records."""
     committed = {r["step"] for node_records in records.values() for r in steps(node_records)}

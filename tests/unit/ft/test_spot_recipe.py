@@ -141,3 +141,12 @@ def test_records_cut_by_a_kill_are_skipped(tmp_path):
     records = report.read_records(tmp_path, 0)
     assert len(records) == 2 and len(report.steps(records)) == 1
     assert report.read_records(tmp_path, 1) == []
+
+
+def test_dropped_batches_are_each_processs_last_count_summed():
+    records = _run()
+    for record in records[1]:
+        record["abandoned"] = 1 if record["step"] >= 3 else 0  # one in-place heal dropped a batch
+    records[2][-1] = {**records[2][-1], "pid": 99, "abandoned": 0}  # a restarted process counts from 0 again
+    assert report.dropped_batches(records) == 1
+    assert report.dropped_batches(_run()) == 0  # journals without the field: nothing dropped
