@@ -26,8 +26,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from ft_group_worker import Net, digest
-from ft_support import forbid_pickle
+from ft_group_worker import Net
+from ft_support import StepJournal, digest, forbid_pickle
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -70,33 +70,11 @@ class _Module(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-class _Journal(L.Callback):
-    def __init__(self, path: Path, stop: Path) -> None:
-        self.path, self.stop = path, stop
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        runtime = trainer.strategy.runtime
-        if runtime.quorum.last_abandoned:
-            return  # a batch drawn for a step committed without this node: dropped, not trained, nothing to record
-        replica = runtime.quorum.replica
-        sent = trainer.callback_metrics.get("comm/inter/bytes_sent_step")
-        record = {
-            "step": replica.current_step(),
-            "global_step": trainer.global_step,
-            "batch_index": module.last_index,
-            "participants": replica.num_participants(),
-            "retries": runtime.quorum.last_retries,
-            "abandoned": runtime.quorum.abandoned_batches,
-            "pid": os.getpid(),
-            "inter_bytes_sent": None if sent is None else int(sent),
-            "payload_bytes": runtime.optimizer.comm_stats().get("payload_bytes"),
-            "digest": digest(module),
-        }
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
-        text = self.stop.read_text().strip() if self.stop.exists() else ""
-        if text:
-            trainer.fit_loop.epoch_loop.max_steps = int(text)  # every node stops at the same committed step
+def _flexdemo_fields(trainer: L.Trainer, module: Any) -> dict[str, Any]:
+    return {
+        "batch_index": module.last_index,
+        "payload_bytes": trainer.strategy.runtime.optimizer.comm_stats().get("payload_bytes"),
+    }
 
 
 def main() -> int:
@@ -138,7 +116,7 @@ def main() -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[_Journal(path, args.out / "stop")],
+        callbacks=[StepJournal(path, args.out / "stop", _flexdemo_fields)],
     )
     module = _Module(args.hidden, args.step_sleep)
     stream = 0 if args.shard_groups else group

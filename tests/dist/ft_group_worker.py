@@ -11,18 +11,17 @@ parameter shards. It trains until the committed step reaches the number in ``<ou
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ft_support import digest
 from torch import nn
 
 from lightning_hetero.flexdemo.runtime import FlexDeMoRuntime
 from lightning_hetero.flexdemo.settings import FlexDeMoSettings
-from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.replication import ReplicationSettings
 
@@ -39,15 +38,6 @@ class Net(nn.Module):
         for block in self.blocks:
             inputs = inputs + block(inputs)
         return self.head(inputs)
-
-
-def digest(module: nn.Module) -> str:
-    """SHA-256 of this rank's local parameter shards (momenta stay each replica's own in DeMo: not compared)."""
-    sha = hashlib.sha256()
-    for name, param in sorted(module.named_parameters()):
-        sha.update(name.encode())
-        sha.update(local_tensor(param.detach()).contiguous().numpy().tobytes())
-    return sha.hexdigest()
 
 
 def _batch(group: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ their FFN widths, the retries, ``comm/inter/bytes_sent_step``, the pid and a SHA
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from lightning_hetero.ft.settings import FaultToleranceSettings  # noqa: E402
 from lightning_hetero.matformer.ft_exchange import payload_bytes  # noqa: E402
 from lightning_hetero.matformer.settings import MatFormerSettings  # noqa: E402
 from lightning_hetero.strategies.matformer.trainer import MatFormerStrategy  # noqa: E402
+from tests.dist.ft_support import StepJournal, digest  # noqa: E402
 from tests.fixtures import TinyLlama  # noqa: E402
 from tests.token_data import progressions  # noqa: E402
 
@@ -44,41 +44,12 @@ class _Slow(TinyLlama):
         return self.model(**batch).loss
 
 
-def digest(module: torch.nn.Module) -> str:
-    """SHA-256 of every parameter (name and bytes): equal digests, bit-identical models."""
-    sha = hashlib.sha256()
-    for name, param in sorted(module.named_parameters()):
-        sha.update(name.encode())
-        sha.update(param.detach().contiguous().numpy().tobytes())
-    return sha.hexdigest()
-
-
-class _Journal(L.Callback):
-    def __init__(self, path: Path, stop: Path) -> None:
-        self.path, self.stop = path, stop
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        runtime = trainer.strategy.runtime
-        if runtime.quorum.last_abandoned:
-            return  # a batch drawn for a step committed without this node: dropped, not trained, nothing to record
-        replica = runtime.quorum.replica
-        sent = trainer.callback_metrics.get("comm/inter/bytes_sent_step")
-        record = {
-            "step": replica.current_step(),
-            "global_step": trainer.global_step,
-            "participants": replica.num_participants(),
-            "widths": [list(widths) for widths in runtime.participant_widths],
-            "retries": runtime.quorum.last_retries,
-            "inter_bytes_sent": None if sent is None else int(sent),
-            "payload_bytes": payload_bytes(runtime.ft_specs, len(runtime.blocks)),
-            "pid": os.getpid(),
-            "digest": digest(module),
-        }
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
-        text = self.stop.read_text().strip() if self.stop.exists() else ""
-        if text:
-            trainer.fit_loop.epoch_loop.max_steps = int(text)  # every node stops at the same committed step
+def _matformer_fields(trainer: L.Trainer, module: Any) -> dict[str, Any]:
+    runtime = trainer.strategy.runtime
+    return {
+        "widths": [list(widths) for widths in runtime.participant_widths],
+        "payload_bytes": payload_bytes(runtime.ft_specs, len(runtime.blocks)),
+    }
 
 
 def main() -> None:
@@ -112,7 +83,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[_Journal(path, args.out / "stop")],
+        callbacks=[StepJournal(path, args.out / "stop", _matformer_fields)],
     )
     module = _Slow()
     trainer.fit(module, StatefulDataLoader(progressions(6000), batch_size=4))

@@ -1,11 +1,13 @@
 """What the fault-tolerant dist tests and their workers share: starting a replica group's ranks, waiting on live
-processes, reading the workers' JSON lines, and a process in which nothing may unpickle.
+processes, the Trainer workers' journal of committed steps and reading it, weight digests, and a process in which
+nothing may unpickle.
 
 The workers (tests/dist/ft_*_worker.py) run as scripts and import this module as ``ft_support``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,7 +15,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+import lightning as L
+import torch
+
+from lightning_hetero.flexdemo.sharding import local_tensor
 from lightning_hetero.testing import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,3 +97,44 @@ def forbid_pickle() -> None:
 
     pickle.load, pickle.loads, pickle.Unpickler = refuse, refuse, RefusingUnpickler  # type: ignore[assignment,misc]
     torch.load = refuse  # type: ignore[assignment]
+
+
+def digest(module: torch.nn.Module) -> str:
+    """SHA-256 of this rank's parameters (names and local shards' bytes): equal digests, bit-identical replicas."""
+    sha = hashlib.sha256()
+    for name, param in sorted(module.named_parameters()):
+        sha.update(name.encode())
+        sha.update(local_tensor(param.detach()).contiguous().numpy().tobytes())
+    return sha.hexdigest()
+
+
+class StepJournal(L.Callback):
+    """One JSON line per committed step of a fault-tolerant Trainer node, appended to ``path``: the committed step,
+    ``global_step``, participants, retries, batches dropped so far, the pid, the bytes handed to the Manager and the
+    weights' digest, plus ``extra(trainer, module)``. A dropped batch (its step committed without this node) writes
+    nothing. Once ``stop`` holds a number it becomes ``max_steps``, so every node stops at the same committed step."""
+
+    def __init__(self, path: Path, stop: Path, extra: Callable[[Any, Any], dict[str, Any]]) -> None:
+        self.path, self.stop, self.extra = path, stop, extra
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        quorum = trainer.strategy.runtime.quorum
+        if quorum.last_abandoned:
+            return
+        sent = trainer.callback_metrics.get("comm/inter/bytes_sent_step")
+        record = {
+            "step": quorum.replica.current_step(),
+            "global_step": trainer.global_step,
+            "participants": quorum.replica.num_participants(),
+            "retries": quorum.last_retries,
+            "abandoned": quorum.abandoned_batches,
+            "pid": os.getpid(),
+            "inter_bytes_sent": None if sent is None else int(sent),
+            "digest": digest(module),
+            **self.extra(trainer, module),
+        }
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        text = self.stop.read_text().strip() if self.stop.exists() else ""
+        if text:
+            trainer.fit_loop.epoch_loop.max_steps = int(text)

@@ -14,12 +14,8 @@ bit; at the end all three are identical. ``global_step`` counts committed steps 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +24,7 @@ pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from lightning_hetero.testing import find_free_port
-from tests.dist.ft_support import wait_for
+from tests.dist.ft_support import read_records, start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ft_matformer_worker.py"
@@ -37,14 +32,11 @@ FULL, HALF = [64, 64], [32, 32]  # the tiny Llama's two FFNs: tier-0 and tier-1 
 
 
 def _records(out: Path, node: int) -> list[dict]:
-    path = out / f"node_{node}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return read_records(out / f"node_{node}.jsonl") + read_records(out / f"node_{node}.jsonl", final=True)
 
 
 def _steps(out: Path, node: int) -> list[dict]:
-    return [r for r in _records(out, node) if not r.get("final")]
+    return read_records(out / f"node_{node}.jsonl")
 
 
 def _at(out: Path, node: int, step: int) -> dict | None:
@@ -52,24 +44,8 @@ def _at(out: Path, node: int, step: int) -> dict | None:
 
 
 def _start(address: str, node: int, out: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "RUST_LOG": "warn",
-        "PYTHONUNBUFFERED": "1",
-        # What `torchrun --nnodes 1 --nproc-per-node 1` gives its one rank: each node is its own job.
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(find_free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "GROUP_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "TORCHELASTIC_RUN_ID": f"matformer{node}",
-        "REPLICA_GROUP_ID": str(node),
-    }
-    log = (out / f"worker_{node}_{time.monotonic_ns()}.log").open("w")
-    command = [sys.executable, str(WORKER), "--lighthouse", address, "--out", str(out)]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    (proc,) = start_node(WORKER, address, node, out, 1).values()  # one rank: its own one-rank torchrun job
+    return proc
 
 
 @pytest.mark.slow

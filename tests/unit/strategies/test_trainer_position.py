@@ -21,6 +21,7 @@ from lightning_hetero.strategies.trainer_position import (
     batches_in_flight,
     checked_position,
 )
+from tests.fixtures import quiet_trainer
 
 
 class _Regression(L.LightningModule):
@@ -184,16 +185,7 @@ def test_a_node_healed_in_place_drops_the_batch_of_the_step_it_missed_and_reads_
     data = TensorDataset(torch.arange(samples), torch.randn(samples, 4), torch.randn(samples, 1))
     module = _IndexedRegression(drop_at=2)
     heal = _HealInPlace(at=2, peer_step=5)  # the node drew sample 2 (its step 3); the peers have committed 5 steps
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[heal],
-    )
+    trainer = quiet_trainer(devices=1, max_steps=8, callbacks=[heal])
     trainer.fit(module, StatefulDataLoader(data, batch_size=None))
     # Sample 2 is not trained; the next batch is the committed step's (sample 5 = position step - 1): nothing skipped.
     assert module.stepped == [0, 1, 5, 6, 7]
