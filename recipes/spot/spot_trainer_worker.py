@@ -42,9 +42,10 @@ from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.models.causal_lm import CausalLMModule
 from lightning_hetero.replication import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+from lightning_hetero.testing.no_pickle import forbid_pickle  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spot_worker import FEATURES, batch, digest, forbid_pickle  # noqa: E402 - the recipe's own helpers
+from spot_worker import FEATURES, batch, digest  # noqa: E402 - the recipe's own helpers
 
 
 class Stream(Dataset):

@@ -24,6 +24,7 @@ import torch
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.ft.replicas import FaultTolerantReplica
 from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.testing.no_pickle import forbid_pickle
 
 FEATURES = 8
 BATCH = 32
@@ -59,23 +60,6 @@ def build(hidden: int = 16, lr: float = 0.02, seed: int = 1000) -> tuple[torch.n
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
-
-
-def forbid_pickle() -> None:
-    """Make ``pickle.load(s)``, ``pickle.Unpickler`` and ``torch.load`` raise in this process."""
-    import pickle
-
-    message = "spot_worker --forbid-pickle: something tried to unpickle"
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError(message)
-
-    class RefusingUnpickler(pickle.Unpickler):  # a class: torch subclasses pickle.Unpickler at import time
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            raise RuntimeError(message)
-
-    pickle.load, pickle.loads, pickle.Unpickler = refuse, refuse, RefusingUnpickler  # type: ignore[assignment,misc]
-    torch.load = refuse  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:

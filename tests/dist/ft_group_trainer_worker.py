@@ -27,7 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 from ft_group_worker import Net
-from ft_support import StepJournal, digest, forbid_pickle
+from ft_support import StepJournal, digest
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -37,6 +37,7 @@ from lightning_hetero.flexdemo.settings import FlexDeMoSettings
 from lightning_hetero.ft.settings import FaultToleranceSettings
 from lightning_hetero.replication import ReplicationSettings
 from lightning_hetero.strategies.flexdemo.trainer import FlexDeMoStrategy
+from lightning_hetero.testing.no_pickle import forbid_pickle
 
 
 class _Batches(Dataset):

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from ft_support import forbid_pickle
 
 from lightning_hetero.comm.validation import PeerPayloadError
 from lightning_hetero.ft.replicas import FaultTolerantReplica
 from lightning_hetero.ft.settings import FaultToleranceSettings
+from lightning_hetero.testing.no_pickle import forbid_pickle
 
 FEATURES, HIDDEN = 8, 16
 STEP_SLEEP = 0.05

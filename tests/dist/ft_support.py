@@ -1,6 +1,5 @@
 """What the fault-tolerant dist tests and their workers share: starting a replica group's ranks, waiting on live
-processes, the Trainer workers' journal of committed steps and reading it, weight digests, and a process in which
-nothing may unpickle.
+processes, the Trainer workers' journal of committed steps and reading it, and weight digests.
 
 The workers (tests/dist/ft_*_worker.py) run as scripts and import this module as ``ft_support``.
 """
@@ -78,25 +77,6 @@ def read_records(path: Path, *, final: bool = False) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
     return [r for r in records if bool(r.get("final")) == final]
-
-
-def forbid_pickle() -> None:
-    """Make ``pickle.load(s)``, ``pickle.Unpickler`` and ``torch.load`` raise in this process (a heal must not)."""
-    import pickle
-
-    import torch
-
-    message = "forbid_pickle: something tried to unpickle"
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError(message)
-
-    class RefusingUnpickler(pickle.Unpickler):  # a class: torch subclasses pickle.Unpickler at import time
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            raise RuntimeError(message)
-
-    pickle.load, pickle.loads, pickle.Unpickler = refuse, refuse, RefusingUnpickler  # type: ignore[assignment,misc]
-    torch.load = refuse  # type: ignore[assignment]
 
 
 def digest(module: torch.nn.Module) -> str:
