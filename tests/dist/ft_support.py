@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +120,27 @@ class StepJournal(L.Callback):
         text = self.stop.read_text().strip() if self.stop.exists() else ""
         if text:
             trainer.fit_loop.epoch_loop.max_steps = int(text)
+
+
+@contextmanager
+def lighthouse_and_nodes(
+    min_replicas: int = 2, join_timeout_ms: int = 500
+) -> Iterator[tuple[str, dict[Any, subprocess.Popen]]]:
+    """A torchft lighthouse (``heartbeat_timeout_ms`` 1500, as docs/spot.md) and a dict for the node processes a test
+    starts: yields ``(address, procs)``; at exit every process still running is resumed (if stopped) and killed, and
+    the lighthouse shut down."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=1500
+    )
+    procs: dict[Any, subprocess.Popen] = {}
+    try:
+        yield lighthouse.address(), procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()

@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-from tests.dist.ft_support import wait_for
+from tests.dist.ft_support import lighthouse_and_nodes, wait_for
 from tests.dist.test_ft_flexdemo import _start, _steps
 
 pytest.importorskip("torchft")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
 GROUPS = 3
 
@@ -32,11 +31,8 @@ def _expected(node: int, step: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_each_node_reads_its_shard_and_a_node_frozen_past_the_timeout_follows_the_committed_step(tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1500)
-    address = lighthouse.address()
     shard = ("--shard-groups", str(GROUPS))
-    procs = {}
-    try:
+    with lighthouse_and_nodes() as (address, procs):
         for node in range(GROUPS):
             procs[str(node)] = _start(address, node, tmp_path, *shard)
         wait_for(
@@ -59,13 +55,6 @@ def test_each_node_reads_its_shard_and_a_node_frozen_past_the_timeout_follows_th
         (tmp_path / "stop").write_text(str(stop))
         for name in ("0", "1", "2"):
             assert procs[name].wait(timeout=180) == 0, f"replica group {name} failed"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()
 
     records = {i: _steps(tmp_path, i) for i in range(3)}
     assert len({r["pid"] for r in records[2]}) == 1, "node 2 was healed in place, not restarted"

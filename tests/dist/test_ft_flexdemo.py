@@ -21,9 +21,8 @@ import pytest
 
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import read_records, start_node, wait_for  # noqa: E402
+from tests.dist.ft_support import lighthouse_and_nodes, read_records, start_node, wait_for  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "ft_group_trainer_worker.py"
 
@@ -41,10 +40,7 @@ def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Pop
 
 @pytest.mark.timeout(900)
 def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoins_bit_identical(tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1500)
-    address = lighthouse.address()
-    procs: dict[str, subprocess.Popen] = {}
-    try:
+    with lighthouse_and_nodes() as (address, procs):
         for replica in range(3):
             procs[str(replica)] = _start(address, replica, tmp_path)
         wait_for(
@@ -129,9 +125,3 @@ def test_a_killed_trainer_replica_group_leaves_the_survivors_stepping_and_rejoin
             counts = [r["participants"] for r in _steps(tmp_path, i)]
             assert 2 in counts and counts[-1] == 3, counts
         assert committed == set(range(1, max(committed) + 1)), "the survivors together lost a committed step"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()

@@ -22,9 +22,8 @@ import pytest
 
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import read_records, start_node, wait_for
+from tests.dist.ft_support import lighthouse_and_nodes, read_records, start_node, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ft_matformer_worker.py"
@@ -51,10 +50,7 @@ def _start(address: str, node: int, out: Path) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_tier0_node_leaves_the_tier1_nodes_stepping_and_rejoins_bit_identical(tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1500)
-    address = lighthouse.address()
-    procs: dict[int, subprocess.Popen] = {}
-    try:
+    with lighthouse_and_nodes() as (address, procs):
         for node in range(3):
             procs[node] = _start(address, node, tmp_path)
         wait_for(
@@ -115,9 +111,3 @@ def test_a_killed_tier0_node_leaves_the_tier1_nodes_stepping_and_rejoins_bit_ide
             assert {r["pid"] for r in steps} == {survivor_pids[i]}, f"survivor {i} was restarted"
             numbers = [r["step"] for r in steps]
             assert all(b > a for a, b in zip(numbers, numbers[1:], strict=False)), numbers
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()

@@ -23,9 +23,8 @@ import pytest
 
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import read_records, start_node, wait_for
+from tests.dist.ft_support import lighthouse_and_nodes, read_records, start_node, wait_for
 
 WORKERS = {
     "runtime": Path(__file__).resolve().parent / "ft_group_worker.py",
@@ -52,11 +51,8 @@ def _at(out: Path, group: int, rank: int, step: int) -> dict | None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("worker", sorted(WORKERS))
 def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bit_identical_shards(tmp_path, worker):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1500)
-    address = lighthouse.address()
-    procs: dict[str, subprocess.Popen] = {}
     ranks = range(RANKS)
-    try:
+    with lighthouse_and_nodes(min_replicas=1, join_timeout_ms=2000) as (address, procs):
         procs.update(_start_node(worker, address, 0, tmp_path))
         procs.update(_start_node(worker, address, 1, tmp_path))
         wait_for(
@@ -119,9 +115,3 @@ def test_a_killed_two_rank_node_leaves_the_survivor_stepping_and_rejoins_with_bi
             steps = [r["step"] for r in survivor]
             assert all(b > a for a, b in zip(steps, steps[1:], strict=False)), f"rank {rank} went back: {steps}"
             assert 1 in [r["participants"] for r in survivor]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()

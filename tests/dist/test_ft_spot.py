@@ -21,9 +21,8 @@ import pytest
 
 pytest.importorskip("torchft")
 pytest.importorskip("safetensors")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.dist.ft_support import read_records, wait_for  # noqa: E402
+from tests.dist.ft_support import lighthouse_and_nodes, read_records, wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ft_replica_worker.py"
@@ -47,10 +46,7 @@ def _start(address: str, replica: int, out: Path, *extra: str) -> subprocess.Pop
 
 @pytest.mark.timeout(420)
 def test_a_killed_replica_leaves_the_survivors_stepping_and_rejoins_bit_identical(tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=1500)
-    address = lighthouse.address()
-    procs: dict[str, subprocess.Popen] = {}
-    try:
+    with lighthouse_and_nodes() as (address, procs):
         for replica in range(3):
             procs[str(replica)] = _start(address, replica, tmp_path)
         _wait(
@@ -108,9 +104,3 @@ def test_a_killed_replica_leaves_the_survivors_stepping_and_rejoins_bit_identica
             counts = [r["participants"] for r in _steps(tmp_path, i)]
             assert 2 in counts and counts[-1] == 3, counts
         assert committed == set(range(1, max(committed) + 1)), "the survivors together lost a step"
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()
