@@ -20,7 +20,7 @@ included, is a machine of its own: its processes (a restarted node's too) run in
 on the host; ``--node-cpu 0`` runs them unconfined on the shared cores (as before, where three synchronous nodes
 competed with the lone one for the same cores). Needs root and the cgroup ``cpu`` controller.
 
-    python recipes/spot/spot_recipe.py                    # about 18 minutes; 4 nodes of 0.45 core each
+    python recipes/spot/spot_recipe.py                    # about 16 minutes; 4 nodes of 0.45 core each
     python recipes/spot/spot_recipe.py --smoke --out /tmp/spot.json   # a tiny schedule, about 3 minutes
 """
 
@@ -41,7 +41,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spot_report as report  # noqa: E402 - the recipe's own planning and reporting
 
-from lightning_hetero.testbed.cgroups import NodeLimits, RunCgroups, create_node_cgroups, join_command, select_layout
+from lightning_hetero.testbed.cgroups import (
+    CgroupUnavailable,
+    NodeLimits,
+    RunCgroups,
+    create_node_cgroups,
+    join_command,
+    select_layout,
+)
+from lightning_hetero.testbed.netns import TestbedError
 from lightning_hetero.testing import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     started = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the clean-up below (cgroups)
     machines = node_machines(args.node_cpu, NODES + 1)
     with TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
@@ -328,7 +337,7 @@ def node_machines(cpu: float, count: int) -> RunCgroups | None:
         return None
     try:
         return create_node_cgroups(secrets.token_hex(4), [NodeLimits(cpu_quota=cpu)] * count, select_layout({"cpu"}))
-    except Exception as error:  # no root, no cpu controller: say how to run without
+    except (CgroupUnavailable, TestbedError, OSError) as error:  # no root, no cpu controller: say how to run without
         raise SystemExit(
             f"--node-cpu {cpu}: cannot give each node its own CPU quota ({error}); run as root on a "
             "machine with the cgroup cpu controller, or pass --node-cpu 0 to share the cores."
